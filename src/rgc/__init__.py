@@ -1,0 +1,21 @@
+"""rgc: randomized gradient compression for full-weight RL post-training of LLMs."""
+
+from rgc.calibrate import calibrate_lr
+from rgc.nn import CompressedLinear, compressed_layers, unwrap, wrap
+from rgc.optim import RGCOptimizer
+from rgc.projection import PROJECTION_KINDS, make_projection
+from rgc.rounding import stochastic_round
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PROJECTION_KINDS",
+    "CompressedLinear",
+    "RGCOptimizer",
+    "calibrate_lr",
+    "compressed_layers",
+    "make_projection",
+    "stochastic_round",
+    "unwrap",
+    "wrap",
+]

@@ -1,0 +1,38 @@
+"""The autograd Function behind :class:`rgc.CompressedLinear`.
+
+Forward saves ``X P`` (n x r) instead of ``X`` (n x k). Backward returns the exact input
+gradient ``D W`` and, instead of a weight gradient, accumulates the FP32 sketch
+``C += D^T (X P)`` (d x r) on the layer; the d x k gradient ``D^T X`` is never formed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class SketchedLinearFunction(torch.autograd.Function):
+    """``Y = X W^T + b`` whose backward writes ``D^T (X P)`` into ``layer.sketch``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer):
+        # Under torch.autocast both matmuls run in the autocast dtype, like nn.Linear's.
+        out = F.linear(x, weight, bias)
+        xp = torch.matmul(x, layer.projection)
+        ctx.save_for_backward(xp, weight)
+        ctx.layer = layer
+        ctx.projection_version = layer.projection_version
+        ctx.x_dtype = x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xp, weight = ctx.saved_tensors
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.matmul(grad_out, weight.to(grad_out.dtype)).to(ctx.x_dtype)
+        d2 = grad_out.reshape(-1, grad_out.shape[-1])
+        ctx.layer.accumulate_sketch(d2, xp.reshape(-1, xp.shape[-1]), ctx.projection_version)
+        if ctx.needs_input_grad[2]:
+            grad_bias = d2.sum(0)
+        return grad_x, None, grad_bias, None

@@ -1,0 +1,35 @@
+"""Choosing tau (the RGC learning rate) from an AdamW learning rate."""
+
+from __future__ import annotations
+
+import math
+
+import torch.nn as nn
+
+from rgc import dispatch
+from rgc.nn import compressed_layers
+
+
+def calibrate_lr(model: nn.Module, adamw_lr: float = 1e-6) -> float:
+    """tau whose first RGC update is as large as a first AdamW step at ``adamw_lr``.
+
+    A first AdamW step moves every element by about ``adamw_lr`` (m_hat / sqrt(v_hat) is the
+    sign of the gradient), so over the compressed weights ``||dW|| = adamw_lr * sqrt(N)`` with N
+    their element count. An RGC step moves each weight by ``tau * ||W_l||``, i.e. by
+    ``tau * ||W||`` over all of them. Equating the two::
+
+        tau = adamw_lr * sqrt(N) / ||W|| = adamw_lr / rms(W)
+
+    where rms is the root mean square of all compressed weight elements of ``model`` (which
+    must be wrapped with :func:`rgc.wrap`). METHOD.md's recipe then tries tau and 3 * tau.
+    """
+    if not (adamw_lr > 0):
+        raise ValueError(f"adamw_lr must be > 0, got {adamw_lr!r}")
+    layers = compressed_layers(model)
+    if not layers:
+        raise ValueError("calibrate_lr needs a wrapped model; call rgc.wrap(model, rank) first")
+    sum_sq = sum(float(dispatch.frobenius_norm(layer.weight)) ** 2 for _, layer in layers)
+    numel = sum(layer.weight.numel() for _, layer in layers)
+    if sum_sq == 0.0:
+        raise ValueError("the compressed weights are all zero; tau cannot be calibrated")
+    return adamw_lr * math.sqrt(numel / sum_sq)

@@ -1,0 +1,247 @@
+"""``CompressedLinear`` and the one-call ``wrap`` / ``unwrap`` of a model."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from rgc.autograd import SketchedLinearFunction
+from rgc.projection import check_rank, make_projection
+from rgc.seeding import derive_seed
+
+SUPPORTED_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
+
+#: Default target names: the attention and MLP projections of Llama/Qwen/Mistral-style models
+#: and their common aliases (GPT-2/nanoGPT, GPT-NeoX, Falcon, original Llama/Mistral code).
+DEFAULT_TARGETS = frozenset({
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "qkv_proj", "gate_up_proj", "out_proj",
+    "c_attn", "c_proj", "c_fc",
+    "query_key_value", "dense_h_to_4h", "dense_4h_to_h",
+    "wq", "wk", "wv", "wo", "w1", "w2", "w3",
+})
+
+# id(weight) -> (weakref to weight, weakref to its CompressedLinear). Keyed by id because
+# tensors compare elementwise, which rules out a WeakKeyDictionary.
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _register_owner(weight: torch.Tensor, layer: CompressedLinear) -> None:
+    key = id(weight)
+    entry = _OWNERS.get(key)
+    if entry is not None and entry[0]() is weight and entry[1]() is layer:
+        return
+    _OWNERS[key] = (weakref.ref(weight, lambda _: _OWNERS.pop(key, None)), weakref.ref(layer))
+
+
+def compressed_layer_of(param: torch.Tensor) -> CompressedLinear | None:
+    """The :class:`CompressedLinear` whose weight is ``param``, or ``None``."""
+    entry = _OWNERS.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
+
+
+def _check_refresh(refresh) -> None:
+    ok = refresh in ("every_step", "never") or (
+        isinstance(refresh, int) and not isinstance(refresh, bool) and refresh >= 1)
+    if not ok:
+        raise ValueError(
+            f"refresh must be 'every_step', 'never' or a positive int N (every N updates), "
+            f"got {refresh!r}")
+
+
+class CompressedLinear(nn.Linear):
+    """Drop-in ``nn.Linear`` whose weight is trained from a rank-``r`` gradient sketch.
+
+    Same ``weight`` (d x k) and ``bias`` parameters and state_dict keys as ``nn.Linear``.
+    In training, forward saves ``X P`` (P: k x r, the ``projection`` buffer, in the weight's
+    dtype) instead of ``X``; backward returns the exact input gradient and accumulates the
+    FP32 sketch ``sketch += D^T (X P)`` (d x r) over backward calls. ``weight.grad`` stays
+    ``None``. A trainable bias gets its ordinary gradient. Under ``no_grad``/``inference_mode``,
+    or with a frozen weight, it is a plain linear layer and saves nothing.
+
+    ``P`` is regenerated from ``(seed, projection_version)``; the optimizer advances the
+    version after an update according to ``refresh`` ('every_step', 'never' or every N).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, rank: int,
+                 projection: str = "orthonormal", refresh="every_step", seed: int = 0,
+                 device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._setup(rank, projection, refresh, seed)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, rank: int, *, projection: str = "orthonormal",
+                    refresh="every_step", seed: int = 0) -> CompressedLinear:
+        """A CompressedLinear sharing ``linear``'s weight and bias Parameters (no copy)."""
+        if not isinstance(linear, nn.Linear) or isinstance(linear, CompressedLinear):
+            raise TypeError(f"expected a plain nn.Linear, got {type(linear).__name__}")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = linear.in_features, linear.out_features
+        layer.weight = linear.weight
+        layer.bias = linear.bias
+        layer._setup(rank, projection, refresh, seed)
+        return layer
+
+    def _setup(self, rank: int, projection: str, refresh, seed: int) -> None:
+        check_rank(projection, self.in_features, rank)
+        _check_refresh(refresh)
+        if self.weight.dtype not in SUPPORTED_WEIGHT_DTYPES:
+            raise TypeError(
+                f"CompressedLinear supports weights in {SUPPORTED_WEIGHT_DTYPES}, got "
+                f"{self.weight.dtype}; convert the model first, e.g. model.to(torch.bfloat16)")
+        self.rank = rank
+        self.projection_kind = projection
+        self.refresh = refresh
+        self.seed = int(seed)
+        self.projection_version = 0
+        self.sketch: torch.Tensor | None = None
+        self.register_buffer("projection", self._make_projection(), persistent=False)
+        _register_owner(self.weight, self)
+
+    def _make_projection(self) -> torch.Tensor:
+        return make_projection(
+            self.projection_kind, self.in_features, self.rank,
+            seed=self.projection_seed, device=self.weight.device, dtype=self.weight.dtype)
+
+    @property
+    def projection_seed(self) -> int:
+        """Seed of the current ``P``: a function of the layer seed and the version."""
+        return derive_seed(self.seed, self.projection_version)
+
+    def set_projection_version(self, version: int) -> None:
+        """Regenerate ``P`` for ``version`` (in place, keeping the buffer)."""
+        self.projection_version = int(version)
+        self.projection.copy_(self._make_projection())
+
+    def accumulate_sketch(self, grad_out: torch.Tensor, xp: torch.Tensor, version: int) -> None:
+        """``sketch += grad_out^T xp`` in FP32. grad_out: (n, d), xp: (n, r)."""
+        if version != self.projection_version:
+            raise RuntimeError(
+                "the projection of this CompressedLinear changed between forward and backward "
+                "(optimizer.step() ran in between); call backward before step()")
+        if self.sketch is None:
+            self.sketch = torch.zeros(self.out_features, self.rank, dtype=torch.float32,
+                                      device=grad_out.device)
+        self.sketch.addmm_(grad_out.t().to(torch.float32), xp.to(torch.float32))
+
+    def zero_sketch(self, set_to_none: bool = True) -> None:
+        if set_to_none:
+            self.sketch = None
+        elif self.sketch is not None:
+            self.sketch.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            _register_owner(self.weight, self)
+            return SketchedLinearFunction.apply(x, self.weight, self.bias, self)
+        return F.linear(x, self.weight, self.bias)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        _register_owner(self.weight, self)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, rank={self.rank}, projection={self.projection_kind!r}, "
+                f"refresh={self.refresh!r}")
+
+
+Targets = Iterable[str] | Callable[[str, nn.Module], bool] | None
+
+
+def _matches(targets, name: str, module: nn.Module) -> bool:
+    if targets is None:
+        return name.rsplit(".", 1)[-1] in DEFAULT_TARGETS
+    if callable(targets):
+        return bool(targets(name, module))
+    return name in targets or name.rsplit(".", 1)[-1] in targets
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def compressed_layers(model: nn.Module) -> list[tuple[str, CompressedLinear]]:
+    """``(qualified name, layer)`` for every CompressedLinear in ``model``, in module order."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, CompressedLinear)]
+
+
+def wrap(model: nn.Module, rank: int, *, targets: Targets = None,
+         projection: str = "orthonormal", refresh="every_step", seed: int = 0,
+         freeze_others: bool = True) -> nn.Module:
+    """Replace the target ``nn.Linear`` layers of ``model`` by CompressedLinear, in place.
+
+    Args:
+        model: any ``nn.Module``; it is modified in place and returned.
+        rank: sketch rank ``r`` for every target.
+        targets: ``None`` for :data:`DEFAULT_TARGETS` (matched on the last name component),
+            a list of names (last component or fully qualified), or a predicate
+            ``(qualified_name, module) -> bool``.
+        projection: 'orthonormal' (default), 'rademacher' or 'gaussian'.
+        refresh: 'every_step' (new P after every update), 'never', or N (every N updates).
+        seed: every layer's seed is derived from it and the layer's qualified name.
+        freeze_others: set ``requires_grad=False`` on every parameter outside the targets.
+            A target's bias keeps its ``requires_grad``; the target weights are made trainable.
+
+    All checks run before the model is touched. The weights are shared, not copied, and the
+    wrapped model's ``state_dict()`` has the same keys as the original.
+    """
+    if compressed_layers(model):
+        raise ValueError("the model is already wrapped; call rgc.unwrap(model) before wrapping "
+                         "it again")
+    _check_refresh(refresh)
+    linear_names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                           if isinstance(m, nn.Linear)})
+    chosen = [(n, m) for n, m in model.named_modules() if n and _matches(targets, n, m)]
+    if not chosen:
+        raise ValueError(
+            f"targets {sorted(targets) if isinstance(targets, (list, tuple, set, frozenset)) else targets!r} "
+            f"matched no module; the model's nn.Linear layers are named {linear_names}")
+    for name, module in chosen:
+        if not isinstance(module, nn.Linear):
+            hint = (" (transformers' GPT-2 Conv1D stores W transposed and is not supported; "
+                    "pass targets= to select nn.Linear layers only)"
+                    if type(module).__name__ == "Conv1D" else "")
+            raise TypeError(f"target {name!r} is a {type(module).__name__}, not an nn.Linear"
+                            f"{hint}")
+        if module.weight.dtype not in SUPPORTED_WEIGHT_DTYPES:
+            raise TypeError(f"target {name!r} has weight dtype {module.weight.dtype}; supported: "
+                            f"{SUPPORTED_WEIGHT_DTYPES}. Convert the model first.")
+        check_rank(projection, module.in_features, rank)
+
+    bias_trainable = {name: m.bias is not None and m.bias.requires_grad for name, m in chosen}
+    if freeze_others:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    for name, module in chosen:
+        if module.bias is not None:
+            module.bias.requires_grad_(bias_trainable[name])
+        module.weight.requires_grad_(True)
+        layer = CompressedLinear.from_linear(module, rank, projection=projection,
+                                             refresh=refresh, seed=derive_seed(seed, name))
+        _set_submodule(model, name, layer)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Replace every CompressedLinear by a plain ``nn.Linear`` sharing its trained weight.
+
+    Pending sketches are dropped; ``requires_grad`` flags are left as they are.
+    Returns ``model`` (modified in place).
+    """
+    for name, layer in compressed_layers(model):
+        linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                           device="meta")
+        linear.weight = layer.weight
+        linear.bias = layer.bias
+        layer.sketch = None
+        _set_submodule(model, name, linear)
+    return model

@@ -1,0 +1,83 @@
+"""Counter-based stochastic rounding from FP32 to BF16.
+
+The random bits for element ``i`` are a hash of ``(seed, offset + i)``; no generator state is
+consumed. The same convention is used by the Triton kernels, so both paths write bit-identical
+weights, and a receiver of a sync payload can reproduce the trainer's rounding exactly.
+
+Bit convention (public, shared with :mod:`rgc.kernels`):
+
+* ``s_lo, s_hi = seed_words(seed)`` are two 32-bit words derived from the 64-bit seed;
+* for flat element index ``n = offset + i`` with 32-bit halves ``n_lo, n_hi``,
+  ``bits = mix32(mix32(n_lo ^ s_lo) ^ ((n_hi + s_hi) mod 2**32))``, where ``mix32`` is the
+  "lowbias32" integer hash (xorshift-multiply, constants 0x7FEB352D and 0x846CA68B);
+* the low 16 bits of ``bits`` are added to the FP32 bit pattern, which is then truncated to
+  its upper 16 bits. A value a fraction ``f`` of the way from one BF16 neighbour to the next
+  therefore rounds up with probability ``f`` (to a resolution of 2**-16): unbiased.
+
+NaN stays NaN, +-inf and every BF16-representable value (+-0, subnormals, BF16 max) are
+unchanged. A finite FP32 value above the largest BF16 number may round to inf.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rgc.seeding import derive_seed
+
+_M32 = 0xFFFFFFFF
+MIX32_MUL1 = 0x7FEB352D
+MIX32_MUL2 = 0x846CA68B
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    """The two 32-bit words ``(s_lo, s_hi)`` that key the rounding hash for ``seed``."""
+    h = derive_seed(seed, "stochastic-round")
+    return h & _M32, (h >> 31) & _M32
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    # (x * c) mod 2**32 for int64 x in [0, 2**32), without int64 overflow.
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 hash of int64 tensor values in ``[0, 2**32)``; returns the same range."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, MIX32_MUL1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, MIX32_MUL2)
+    return x ^ (x >> 16)
+
+
+def random_bits(numel: int, *, seed: int, offset: int = 0, device=None) -> torch.Tensor:
+    """The 32 hash bits (int64 in ``[0, 2**32)``) for flat indices ``offset .. offset+numel-1``."""
+    s_lo, s_hi = seed_words(seed)
+    n = torch.arange(offset, offset + numel, dtype=torch.int64, device=device)
+    return mix32(mix32((n & _M32) ^ s_lo) ^ (((n >> 32) + s_hi) & _M32))
+
+
+def stochastic_round(x: torch.Tensor, *, seed: int, offset: int = 0) -> torch.Tensor:
+    """Round ``x`` to BF16 stochastically and without bias.
+
+    Args:
+        x: any shape; FP32 (other float dtypes are first converted to FP32 exactly).
+        seed: integer key of the random bits.
+        offset: flat index of ``x``'s first element in the larger tensor it belongs to; element
+            ``j`` of ``x.flatten()`` uses the bits of index ``offset + j``.
+
+    Returns:
+        A new BF16 tensor of ``x``'s shape.
+    """
+    if not x.is_floating_point():
+        raise TypeError(f"stochastic_round expects a floating-point tensor, got {x.dtype}")
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    x32 = x.to(torch.float32).contiguous()
+    bits = random_bits(x32.numel(), seed=seed, offset=offset, device=x32.device).view(x32.shape)
+    # int32 addition on the raw pattern: for negative values the sign bit is set and the
+    # magnitude bits still receive the carry, so the rounding is symmetric about zero.
+    pattern = x32.view(torch.int32) + (bits & 0xFFFF).to(torch.int32)
+    rounded = (pattern & -65536).view(torch.float32)
+    return torch.where(torch.isnan(x32), x32, rounded).to(torch.bfloat16)
