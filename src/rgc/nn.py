@@ -174,9 +174,16 @@ def compressed_layers(model: nn.Module) -> list[tuple[str, CompressedLinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, CompressedLinear)]
 
 
+#: ``wrap(..., preset=name)``: the projection kind and refresh schedule of each method.
+PRESETS = {
+    "rgc": {"projection": "orthonormal", "refresh": "every_step"},
+    "logra": {"projection": "rademacher", "refresh": "never"},
+}
+
+
 def wrap(model: nn.Module, rank: int, *, targets: Targets = None,
-         projection: str = "orthonormal", refresh="every_step", seed: int = 0,
-         freeze_others: bool = True) -> nn.Module:
+         projection: str | None = None, refresh=None, seed: int = 0,
+         freeze_others: bool = True, preset: str = "rgc") -> nn.Module:
     """Replace the target ``nn.Linear`` layers of ``model`` by CompressedLinear, in place.
 
     Args:
@@ -185,11 +192,14 @@ def wrap(model: nn.Module, rank: int, *, targets: Targets = None,
         targets: ``None`` for :data:`DEFAULT_TARGETS` (matched on the last name component),
             a list of names (last component or fully qualified), or a predicate
             ``(qualified_name, module) -> bool``.
-        projection: 'orthonormal' (default), 'rademacher' or 'gaussian'.
-        refresh: 'every_step' (new P after every update), 'never', or N (every N updates).
+        projection: 'orthonormal', 'rademacher' or 'gaussian'; default from ``preset``.
+        refresh: 'every_step' (new P after every update), 'never', or N (every N updates);
+            default from ``preset``.
         seed: every layer's seed is derived from it and the layer's qualified name.
         freeze_others: set ``requires_grad=False`` on every parameter outside the targets.
             A target's bias keeps its ``requires_grad``; the target weights are made trainable.
+        preset: 'rgc' (orthonormal P, refreshed every step) or 'logra' (Rademacher P, fixed);
+            see :data:`PRESETS`. Explicit ``projection``/``refresh`` override it.
 
     All checks run before the model is touched. The weights are shared, not copied, and the
     wrapped model's ``state_dict()`` has the same keys as the original.
@@ -197,6 +207,10 @@ def wrap(model: nn.Module, rank: int, *, targets: Targets = None,
     if compressed_layers(model):
         raise ValueError("the model is already wrapped; call rgc.unwrap(model) before wrapping "
                          "it again")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    projection = PRESETS[preset]["projection"] if projection is None else projection
+    refresh = PRESETS[preset]["refresh"] if refresh is None else refresh
     _check_refresh(refresh)
     linear_names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                            if isinstance(m, nn.Linear)})

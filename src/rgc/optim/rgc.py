@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import math
-import warnings
-
 import torch
-from torch.optim import Optimizer
 
 from rgc import dispatch
-from rgc.nn import CompressedLinear, compressed_layer_of
+from rgc.optim.base import (
+    DenseUpdate,
+    LowRankUpdate,
+    SketchOptimizer,
+    check_common_args,
+    rounding_seed,  # noqa: F401  (public here since the first release)
+)
 from rgc.reference.update import write_rows
-from rgc.seeding import derive_seed
 
 
 def sketch_norm(sketch: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
@@ -22,11 +23,6 @@ def sketch_norm(sketch: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     p = projection.to(torch.float32)
     gram = p.t() @ p
     return ((sketch @ gram) * sketch).sum().clamp_min(0).sqrt()
-
-
-def rounding_seed(seed: int, param_index: int, step: int) -> int:
-    """Seed of the stochastic-rounding bits for one parameter's update at ``step``."""
-    return derive_seed(seed, "round", param_index, step)
 
 
 def lowrank_normalized_update_(weight: torch.Tensor, sketch: torch.Tensor,
@@ -57,7 +53,7 @@ def dense_normalized_update_(param: torch.Tensor, grad: torch.Tensor, lr: float,
     return coef
 
 
-class RGCOptimizer(Optimizer):
+class RGCOptimizer(SketchOptimizer):
     """Randomized gradient compression: normalised SGD on sketched weights.
 
     For every weight of a :class:`rgc.CompressedLinear` with a sketch ``C`` (d x r FP32) and
@@ -82,110 +78,33 @@ class RGCOptimizer(Optimizer):
         chunk_rows: rows of H rebuilt at once on the reference path (memory: chunk_rows x k FP32).
         stochastic_rounding: round BF16 weights stochastically (default) or to nearest.
         seed: key of the rounding bits.
+        step_control: e.g. :class:`rgc.PredictedKL`; scales each step's updates by one alpha.
+        keep_updates: keep the last step's factors for :meth:`export_update` (policy sync).
 
     ``zero_grad()`` clears sketches as well as gradients. A backward must complete before
     ``step()``: a forward run before a step and backpropagated after it raises.
     """
 
     def __init__(self, params, lr: float, *, chunk_rows: int = 128,
-                 stochastic_rounding: bool = True, seed: int = 0):
-        if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
-            raise ValueError(f"lr (tau) must be a finite number >= 0, got {lr!r}")
-        if not isinstance(chunk_rows, int) or chunk_rows < 1:
-            raise ValueError(f"chunk_rows must be an integer >= 1, got {chunk_rows!r}")
-        if not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+                 stochastic_rounding: bool = True, seed: int = 0, step_control=None,
+                 keep_updates: bool = False):
+        check_common_args(lr, chunk_rows, seed)
         defaults = dict(lr=lr, chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding,
                         seed=seed)
-        super().__init__(params, defaults)
-        if not any(p.requires_grad for g in self.param_groups for p in g["params"]):
-            raise ValueError(
-                "RGCOptimizer was given no trainable parameter; wrap the model with rgc.wrap() "
-                "and pass model.parameters() (or the trainable ones)")
-        self._warned_nonfinite = False
+        super().__init__(params, defaults, step_control=step_control, keep_updates=keep_updates)
 
-    def _init_state(self, p: torch.Tensor, layer: CompressedLinear | None) -> dict:
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.tensor(0, dtype=torch.int64)
-            state["skipped"] = torch.tensor(0, dtype=torch.int64)
-            if layer is not None:
-                state["layer_seed"] = torch.tensor(layer.seed, dtype=torch.int64)
-                state["projection_version"] = torch.tensor(layer.projection_version,
-                                                           dtype=torch.int64)
-        return state
+    def _propose_lowrank(self, p, layer, group, state, seed) -> LowRankUpdate | None:
+        sketch, lr = layer.sketch, group["lr"]
+        h_norm = float(sketch_norm(sketch, layer.projection))
+        if h_norm == 0.0 or lr == 0.0:
+            return None
+        coef = lr * float(dispatch.frobenius_norm(p, chunk_rows=group["chunk_rows"])) / h_norm
+        return LowRankUpdate(p, layer, sketch, coef, 0.0, seed, group["chunk_rows"],
+                             group["stochastic_rounding"])
 
-    def _skip(self, state: dict, what: str) -> None:
-        state["skipped"] += 1
-        if not self._warned_nonfinite:
-            warnings.warn(f"non-finite {what}: the update of that parameter was skipped and its "
-                          "weight left unchanged (counted in state['skipped']); this warning is "
-                          "shown once", RuntimeWarning, stacklevel=3)
-            self._warned_nonfinite = True
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One update of every parameter that has a sketch or a gradient. Returns the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        index = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                index += 1
-                layer = compressed_layer_of(p)
-                if layer is not None and layer.sketch is not None:
-                    self._step_compressed(p, layer, group, index - 1)
-                elif p.grad is not None:
-                    self._step_dense(p, group, index - 1)
-        return loss
-
-    def _step_compressed(self, p, layer: CompressedLinear, group: dict, index: int) -> None:
-        state = self._init_state(p, layer)
-        state["step"] += 1
-        step = int(state["step"])
-        sketch = layer.sketch
-        if bool(torch.isfinite(sketch).all()):
-            lowrank_normalized_update_(
-                p, sketch, layer.projection, group["lr"],
-                seed=rounding_seed(group["seed"], index, step), chunk_rows=group["chunk_rows"],
-                stochastic_rounding=group["stochastic_rounding"])
-        else:
-            self._skip(state, "sketch")
-        layer.zero_sketch(set_to_none=False)
-        refresh = layer.refresh
-        if refresh == "every_step" or (isinstance(refresh, int) and step % refresh == 0):
-            layer.set_projection_version(layer.projection_version + 1)
-        state["projection_version"].fill_(layer.projection_version)
-
-    def _step_dense(self, p, group: dict, index: int) -> None:
-        state = self._init_state(p, None)
-        state["step"] += 1
-        if bool(torch.isfinite(p.grad).all()):
-            dense_normalized_update_(p, p.grad, group["lr"],
-                                     seed=rounding_seed(group["seed"], index, int(state["step"])),
-                                     stochastic_rounding=group["stochastic_rounding"])
-        else:
-            self._skip(state, "gradient")
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients and the sketches of compressed weights."""
-        super().zero_grad(set_to_none=set_to_none)
-        for group in self.param_groups:
-            for p in group["params"]:
-                layer = compressed_layer_of(p)
-                if layer is not None:
-                    layer.zero_sketch(set_to_none=set_to_none)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load state and put every compressed layer back on its saved projection."""
-        super().load_state_dict(state_dict)
-        for group in self.param_groups:
-            for p in group["params"]:
-                layer = compressed_layer_of(p)
-                state = self.state.get(p)
-                if layer is None or not state or "projection_version" not in state:
-                    continue
-                layer.seed = int(state["layer_seed"])
-                layer.set_projection_version(int(state["projection_version"]))
+    def _propose_dense(self, p, group, state, seed) -> DenseUpdate | None:
+        g_norm = float(p.grad.to(torch.float32).norm())
+        if g_norm == 0.0 or group["lr"] == 0.0:
+            return None
+        coef = group["lr"] * float(p.to(torch.float32).norm()) / g_norm
+        return DenseUpdate(p, p.grad, coef, 0.0, seed, group["stochastic_rounding"])

@@ -1,0 +1,315 @@
+"""What every rgc optimizer shares: gather, propose, scale, apply, refresh, record.
+
+A step of a :class:`SketchOptimizer` proposes, for every parameter with a sketch or gradient,
+an update in factored form (:class:`LowRankUpdate` or :class:`DenseUpdate`), optionally lets
+a step controller scale all proposals by one ``alpha`` (see :class:`rgc.PredictedKL`), applies
+them, then clears sketches and refreshes projections. The same apply functions serve a sync
+receiver (:func:`rgc.apply_update`), which is why its weights match the trainer's bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch.optim import Optimizer
+
+from rgc import dispatch
+from rgc.nn import CompressedLinear, compressed_layer_of
+from rgc.reference.update import write_rows
+from rgc.seeding import derive_seed
+
+
+@dataclass
+class LowRankUpdate:
+    """``W <- W (1 - decay) - coef * U P^T`` for the weight of a CompressedLinear.
+
+    ``factor`` is U (d x r FP32); P is the layer's current projection (k x r).
+    """
+
+    param: torch.Tensor
+    layer: CompressedLinear
+    factor: torch.Tensor
+    coef: float
+    decay: float
+    seed: int
+    chunk_rows: int
+    stochastic_rounding: bool
+
+
+@dataclass
+class DenseUpdate:
+    """``p <- p (1 - decay) - coef * direction`` for a parameter with an ordinary gradient.
+
+    ``direction`` has ``p``'s shape (any float dtype; used in FP32).
+    """
+
+    param: torch.Tensor
+    direction: torch.Tensor
+    coef: float
+    decay: float
+    seed: int
+    stochastic_rounding: bool
+
+
+def decay_weight_(weight: torch.Tensor, factor: float, *, seed: int, chunk_rows: int = 128,
+                  stochastic_rounding: bool = True) -> None:
+    """``W <- factor * W`` in place, ``chunk_rows`` rows at a time, with the rounding convention
+    of :func:`rgc.reference.lowrank_update_reference` (flat index ``i*k + j``)."""
+    rows2 = weight.reshape(weight.shape[0], -1) if weight.dim() > 1 else weight.reshape(1, -1)
+    k = rows2.shape[1]
+    for start in range(0, rows2.shape[0], chunk_rows):
+        rows = rows2[start:start + chunk_rows]
+        write_rows(rows, rows.to(torch.float32) * factor, seed=seed, offset=start * k,
+                   stochastic_rounding=stochastic_rounding)
+
+
+def apply_lowrank_update_(weight: torch.Tensor, factor: torch.Tensor, projection: torch.Tensor,
+                          coef: float, *, decay: float = 0.0, seed: int, chunk_rows: int = 128,
+                          stochastic_rounding: bool = True) -> None:
+    """``W <- W (1 - decay) - coef * U P^T`` in place (W: d x k, U: d x r FP32, P: k x r).
+
+    The decay (when non-zero) is its own rounded pass, keyed by ``derive_seed(seed, 'decay')``;
+    the low-rank part goes through :func:`rgc.dispatch.lowrank_update_` keyed by ``seed``.
+    """
+    if decay != 0.0:
+        decay_weight_(weight, 1.0 - decay, seed=derive_seed(seed, "decay"),
+                      chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding)
+    if coef != 0.0:
+        dispatch.lowrank_update_(weight, factor, projection, coef, seed=seed,
+                                 chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding)
+
+
+def apply_dense_update_(param: torch.Tensor, direction: torch.Tensor, coef: float, *,
+                        decay: float = 0.0, seed: int, stochastic_rounding: bool = True) -> None:
+    """``p <- p (1 - decay) - coef * direction`` in FP32, then one (rounded) write."""
+    p32 = param.to(torch.float32)
+    if decay != 0.0:
+        p32 = p32 * (1.0 - decay)
+    write_rows(param, p32 - coef * direction.to(torch.float32), seed=seed, offset=0,
+               stochastic_rounding=stochastic_rounding)
+
+
+def rounding_seed(seed: int, param_index: int, step: int) -> int:
+    """Seed of the stochastic-rounding bits for one parameter's update at ``step``."""
+    return derive_seed(seed, "round", param_index, step)
+
+
+def check_common_args(lr, chunk_rows, seed) -> None:
+    """ValueError for a bad ``lr``, ``chunk_rows`` or ``seed``."""
+    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+        raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+    if not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be an integer >= 1, got {chunk_rows!r}")
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+
+
+class SketchOptimizer(Optimizer):
+    """Base of the rgc optimizers. Subclasses implement ``_propose_lowrank`` and
+    ``_propose_dense`` (return an update or ``None`` for "no change"), and may override
+    ``_refresh`` to carry state into a new projection.
+
+    Args (beyond torch.optim's ``params`` and ``defaults``):
+        step_control: ``None`` or a controller with ``scale(optimizer, updates) -> float`` and
+            ``after_update()`` (e.g. :class:`rgc.PredictedKL`): all proposals of a step are
+            gathered, scaled by the returned ``alpha`` and then applied.
+        keep_updates: keep the applied updates of the last step (one d x r FP32 copy per
+            compressed weight) so that :meth:`export_update` can build a sync payload.
+    """
+
+    def __init__(self, params, defaults: dict, *, step_control=None, keep_updates: bool = False):
+        super().__init__(params, defaults)
+        if not any(p.requires_grad for g in self.param_groups for p in g["params"]):
+            raise ValueError(
+                f"{type(self).__name__} was given no trainable parameter; wrap the model with "
+                "rgc.wrap() and pass model.parameters() (or the trainable ones)")
+        if step_control is not None and not (hasattr(step_control, "scale")
+                                             and hasattr(step_control, "after_update")):
+            raise TypeError("step_control must provide scale(optimizer, updates) and "
+                            f"after_update(), e.g. rgc.PredictedKL; got {step_control!r}")
+        self.step_control = step_control
+        self.keep_updates = bool(keep_updates)
+        self.steps_taken = 0
+        # (update, fingerprint of the tensor before it, projection seed used) per parameter
+        self.last_updates: list[tuple] | None = None
+        self._warned_nonfinite = False
+
+    # -- subclass interface -------------------------------------------------------------
+    def _propose_lowrank(self, p, layer, group, state, seed) -> LowRankUpdate | None:
+        raise NotImplementedError
+
+    def _propose_dense(self, p, group, state, seed) -> DenseUpdate | None:
+        raise NotImplementedError
+
+    def _refresh(self, p, layer: CompressedLinear, state: dict) -> None:
+        layer.set_projection_version(layer.projection_version + 1)
+
+    # -- shared machinery ---------------------------------------------------------------
+    def _init_state(self, p: torch.Tensor, layer: CompressedLinear | None) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0, dtype=torch.int64)
+            state["skipped"] = torch.tensor(0, dtype=torch.int64)
+            if layer is not None:
+                state["layer_seed"] = torch.tensor(layer.seed, dtype=torch.int64)
+                state["projection_version"] = torch.tensor(layer.projection_version,
+                                                           dtype=torch.int64)
+        return state
+
+    def _skip(self, state: dict, what: str) -> None:
+        state["skipped"] += 1
+        if not self._warned_nonfinite:
+            warnings.warn(f"non-finite {what}: the update of that parameter was skipped and its "
+                          "weight left unchanged (counted in state['skipped']); this warning is "
+                          "shown once", RuntimeWarning, stacklevel=4)
+            self._warned_nonfinite = True
+
+    def _finish_layer(self, p, layer: CompressedLinear, state: dict) -> None:
+        layer.zero_sketch(set_to_none=False)
+        refresh, step = layer.refresh, int(state["step"])
+        if refresh == "every_step" or (isinstance(refresh, int) and step % refresh == 0):
+            self._refresh(p, layer, state)
+        state["projection_version"].fill_(layer.projection_version)
+
+    def _apply(self, update, alpha: float, records: list | None) -> None:
+        if update is None:
+            return
+        if alpha != 1.0:
+            update.coef *= alpha
+            update.decay *= alpha
+        if records is not None:
+            from rgc.sync import fingerprint
+
+            base = fingerprint(update.param)
+            projection_seed = getattr(getattr(update, "layer", None), "projection_seed", None)
+        if isinstance(update, LowRankUpdate):
+            apply_lowrank_update_(update.param, update.factor, update.layer.projection,
+                                  update.coef, decay=update.decay, seed=update.seed,
+                                  chunk_rows=update.chunk_rows,
+                                  stochastic_rounding=update.stochastic_rounding)
+            if records is not None:
+                # the sketch is zeroed in place next; the record needs its own copy
+                update.factor = update.factor.clone()
+        else:
+            apply_dense_update_(update.param, update.direction, update.coef, decay=update.decay,
+                                seed=update.seed, stochastic_rounding=update.stochastic_rounding)
+        if records is not None:
+            records.append((update, base, projection_seed))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter that has a sketch or a gradient. Returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        control = self.step_control
+        records = [] if self.keep_updates else None
+        pending = []
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                index += 1
+                layer = compressed_layer_of(p)
+                if layer is not None and layer.sketch is not None:
+                    state = self._init_state(p, layer)
+                    state["step"] += 1
+                    seed = rounding_seed(group["seed"], index - 1, int(state["step"]))
+                    update = None
+                    if bool(torch.isfinite(layer.sketch).all()):
+                        update = self._propose_lowrank(p, layer, group, state, seed)
+                    else:
+                        self._skip(state, "sketch")
+                    item = (update, (p, layer, state))
+                elif p.grad is not None:
+                    state = self._init_state(p, None)
+                    state["step"] += 1
+                    seed = rounding_seed(group["seed"], index - 1, int(state["step"]))
+                    update = None
+                    if bool(torch.isfinite(p.grad).all()):
+                        update = self._propose_dense(p, group, state, seed)
+                    else:
+                        self._skip(state, "gradient")
+                    item = (update, None)
+                else:
+                    continue
+                if control is None:  # stream: nothing proposed is held longer than needed
+                    self._commit(item, 1.0, records)
+                else:
+                    pending.append(item)
+        if control is not None:
+            updates = [u for u, _ in pending if u is not None]
+            alpha = float(control.scale(self, updates)) if updates else 1.0
+            for item in pending:
+                self._commit(item, alpha, records)
+            if updates:
+                control.after_update()
+        self.steps_taken += 1
+        self.last_updates = records
+        return loss
+
+    def _commit(self, item, alpha: float, records) -> None:
+        update, finish = item
+        self._apply(update, alpha, records)
+        if finish is not None:
+            self._finish_layer(*finish)
+
+    def export_update(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The last step's updates as a sync payload (see :func:`rgc.sync.build_payload`).
+
+        ``model`` names the parameters (``model.named_parameters()``). Needs
+        ``keep_updates=True`` and a completed ``step()``.
+        """
+        from rgc.sync import build_payload
+
+        if not self.keep_updates:
+            raise RuntimeError(f"export_update() needs {type(self).__name__}(..., "
+                               "keep_updates=True): the factors of a step are not kept otherwise")
+        if self.last_updates is None:
+            raise RuntimeError("export_update() called before the first step()")
+        return build_payload(model, self.last_updates, self.steps_taken)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients and the sketches of compressed weights."""
+        super().zero_grad(set_to_none=set_to_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                layer = compressed_layer_of(p)
+                if layer is not None:
+                    layer.zero_sketch(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["rgc_steps_taken"] = self.steps_taken
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load state and put every compressed layer back on its saved projection.
+
+        torch.optim casts floating state to the parameter's dtype (and integer state too, for a
+        float parameter); here every state tensor keeps its saved dtype exactly (the int64
+        seeds and FP32 moments of a BF16 weight included), so resume is bit-identical.
+        """
+        state_dict = dict(state_dict)
+        self.steps_taken = int(state_dict.pop("rgc_steps_taken", 0))
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(ids, params, strict=True):
+            if pid not in saved:
+                continue
+            state = self.state[p]
+            for key, value in saved[pid].items():
+                if torch.is_tensor(value):
+                    state[key] = value.to(device=p.device if value.dim() else "cpu",
+                                          copy=True)
+            layer = compressed_layer_of(p)
+            if layer is not None and "projection_version" in state:
+                layer.seed = int(state["layer_seed"])
+                layer.set_projection_version(int(state["projection_version"]))
+
+

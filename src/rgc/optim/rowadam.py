@@ -1,0 +1,122 @@
+"""RowAdam: Adam-style scaling per row of the sketch (LoGRA's update rule)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rgc.nn import CompressedLinear
+from rgc.optim.base import DenseUpdate, LowRankUpdate, SketchOptimizer, check_common_args
+
+
+def carry_moment(moment: torch.Tensor, old_projection: torch.Tensor,
+                 new_projection: torch.Tensor) -> torch.Tensor:
+    """A first moment ``m`` (d x r FP32) in the basis of ``old_projection`` moved to the new one.
+
+    ``m`` estimates ``G P_old``; the least-squares estimate of ``G`` within the old basis is
+    ``m (P_old^T P_old)^+ P_old^T``, and its sketch in the new basis is::
+
+        m_new = m (P_old^T P_old)^+ P_old^T P_new
+
+    which is ``m P_old^T P_new / (k/r)`` for the scaled orthonormal kind and ``m`` itself when
+    ``P_new = P_old``. Only r x r matrices are formed (in float64); returns a new d x r FP32.
+    """
+    old = old_projection.to(torch.float64)
+    transfer = torch.linalg.pinv(old.t() @ old) @ (old.t() @ new_projection.to(torch.float64))
+    return moment @ transfer.to(torch.float32)
+
+
+class RowAdam(SketchOptimizer):
+    """Adam with one second moment per row of the sketch, for rgc-compressed weights.
+
+    For every weight W (d x k) of a :class:`rgc.CompressedLinear` with sketch ``S = C``
+    (d x r FP32) and projection ``P`` (k x r), at its ``t``-th applied update::
+
+        m <- beta1 m + (1 - beta1) S                               (d x r, FP32)
+        v <- beta2 v + (1 - beta2) mean_j S[:, j]^2                (d,     FP32)
+        U = (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps)   (row i divided by its scale)
+        W <- W (1 - lr * weight_decay) - lr * U P^T
+
+    The weight decay is decoupled (AdamW-style) and, when non-zero, a separate rounded pass
+    over W. ``U P^T`` is rebuilt by :func:`rgc.dispatch.lowrank_update_` (never a d x k
+    temporary beyond ``chunk_rows`` rows) with the rounding bits of :class:`rgc.RGCOptimizer`.
+    Every element of ``U P^T`` has size about 1, so ``lr`` means what it means for Adam.
+
+    **Projection refresh.** When the layer's schedule gives a new ``P``, ``m`` is carried into
+    the new basis with :func:`carry_moment` (``m <- m (P_old^T P_old)^+ P_old^T P_new``); ``v``
+    is kept, since a per-row mean square does not depend on the basis in expectation. With the
+    LoGRA default (``refresh='never'``) nothing changes.
+
+    **Other parameters** with an ordinary ``.grad`` (biases, norms, if left trainable) get plain
+    elementwise AdamW with the same hyperparameters (``m``, ``v`` of the parameter's shape,
+    FP32) and the same rounded write.
+
+    A non-finite sketch or gradient skips the update (moments untouched, weight unchanged,
+    ``state[p]['skipped']`` counts it); ``t`` counts applied updates (``step - skipped``).
+
+    Args:
+        params: parameters or param groups (as torch.optim).
+        lr: step size (Adam's).
+        betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        chunk_rows: rows of ``U P^T`` rebuilt at once on the reference path.
+        stochastic_rounding: round BF16 weights stochastically (default) or to nearest.
+        seed: key of the rounding bits.
+        step_control: e.g. :class:`rgc.PredictedKL`; scales each step's updates by one alpha.
+        keep_updates: keep the last step's factors for :meth:`export_update` (policy sync).
+
+    State per compressed weight: ``exp_avg`` (d x r FP32), ``exp_avg_sq`` (d FP32), step
+    counters, layer seed and projection version; ``state_dict`` round-trips bit-exactly.
+    """
+
+    def __init__(self, params, lr: float, *, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, chunk_rows: int = 128,
+                 stochastic_rounding: bool = True, seed: int = 0, step_control=None,
+                 keep_updates: bool = False):
+        check_common_args(lr, chunk_rows, seed)
+        if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+                or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+        if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+            raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+        if (not isinstance(weight_decay, (int, float)) or not math.isfinite(weight_decay)
+                or weight_decay < 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding, seed=seed)
+        super().__init__(params, defaults, step_control=step_control, keep_updates=keep_updates)
+
+    @staticmethod
+    def _moments(state: dict, group: dict, grad: torch.Tensor, row_mean_square: bool):
+        """Update ``exp_avg``/``exp_avg_sq`` from ``grad``; return the Adam direction."""
+        beta1, beta2 = group["betas"]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(grad, dtype=torch.float32)
+            shape = grad.shape[:1] if row_mean_square else grad.shape
+            state["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=grad.device)
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        t = int(state["step"]) - int(state["skipped"])
+        g = grad.to(torch.float32)
+        m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+        g2 = g.square().mean(dim=1) if row_mean_square else g.square()
+        v.mul_(beta2).add_(g2, alpha=1.0 - beta2)
+        denom = (v / (1.0 - beta2 ** t)).sqrt_().add_(group["eps"])
+        if row_mean_square:
+            denom = denom[:, None]
+        return (m / (1.0 - beta1 ** t)).div_(denom)
+
+    def _propose_lowrank(self, p, layer, group, state, seed) -> LowRankUpdate | None:
+        factor = self._moments(state, group, layer.sketch, row_mean_square=True)
+        return LowRankUpdate(p, layer, factor, group["lr"], group["lr"] * group["weight_decay"],
+                             seed, group["chunk_rows"], group["stochastic_rounding"])
+
+    def _propose_dense(self, p, group, state, seed) -> DenseUpdate | None:
+        direction = self._moments(state, group, p.grad, row_mean_square=False)
+        return DenseUpdate(p, direction, group["lr"], group["lr"] * group["weight_decay"], seed,
+                           group["stochastic_rounding"])
+
+    def _refresh(self, p, layer: CompressedLinear, state: dict) -> None:
+        old = layer.projection.clone()
+        super()._refresh(p, layer, state)
+        if "exp_avg" in state:
+            state["exp_avg"] = carry_moment(state["exp_avg"], old, layer.projection)
