@@ -224,7 +224,7 @@ class PredictedKL:
         f = min(max(step, 0) / self.anneal_steps, 1.0)
         if self.schedule == "cosine":
             f = 0.5 * (1.0 - math.cos(math.pi * f))
-        return self.budget + (self.final_budget - self.budget) * f
+        return (1.0 - f) * self.budget + f * self.final_budget
 
     def set_probe(self, model: nn.Module, inputs, *, token_mask: torch.Tensor | None = None,
                   logits_fn: Callable = default_logits) -> None:
