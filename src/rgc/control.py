@@ -71,7 +71,7 @@ def _lowrank_tangent_hook(update: LowRankUpdate):
         xp = x.to(torch.float32) @ projection.to(torch.float32)  # n x r, never n x k -> d x k
         tangent = (xp @ factor.t()).mul_(-update.coef)
         if update.decay != 0.0:
-            xw = out if module.bias is None else out - module.bias
+            xw = out if module.bias is None else out - fwAD.unpack_dual(module.bias).primal
             tangent.sub_(xw.to(torch.float32), alpha=update.decay)
         return output + fwAD.make_dual(torch.zeros_like(out), tangent.to(out.dtype))
 

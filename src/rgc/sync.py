@@ -139,8 +139,8 @@ def _check_entry(name: str, entry: dict, target: torch.Tensor) -> dict:
     """Validate one parameter's entry against the receiver's tensor; return the plan."""
     fields = _FIELDS_LOWRANK if "factor" in entry else _FIELDS_DENSE
     if set(entry) != set(fields):
-        raise ValueError(f"payload entry for {name!r} has fields {sorted(entry)}; expected "
-                         f"{sorted(fields)}")
+        raise ValueError(f"payload entry for {name!r} is incomplete or mixed: it has fields "
+                         f"{sorted(entry)}; expected {sorted(fields)}")
     plan = {f: _scalar(entry, name, f, torch.float64) for f in ("coef", "decay")}
     plan["seed"] = _scalar(entry, name, "seed", torch.int64)
     options = entry["options"]
@@ -222,12 +222,12 @@ def apply_update(target: nn.Module | dict[str, torch.Tensor], payload: dict[str,
         tensors = target
     else:
         raise TypeError(f"target must be an nn.Module or a state dict, got {type(target)}")
-    plans = []
-    for name, entry in _group(payload).items():
-        if name not in tensors:
-            raise ValueError(f"payload names {name!r}, which the receiver does not have; the "
-                             "receiver must have the trainer model's parameter names")
-        plans.append(_check_entry(name, entry, tensors[name]))
+    entries = _group(payload)
+    unknown = sorted(set(entries) - set(tensors))
+    if unknown:
+        raise ValueError(f"payload names parameters the receiver does not have: {unknown}; the "
+                         "receiver must have the trainer model's parameter names")
+    plans = [_check_entry(name, entry, tensors[name]) for name, entry in entries.items()]
 
     for plan in plans:
         target_tensor = plan["target"]
