@@ -37,7 +37,6 @@ from rgc.optim.base import (
     apply_lowrank_update_,
 )
 from rgc.projection import PROJECTION_KINDS, make_projection
-from rgc.rounding import random_bits
 
 FORMAT_VERSION = 1
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -45,15 +44,16 @@ _FIELDS_LOWRANK = ("factor", "coef", "decay", "seed", "projection", "options", "
 _FIELDS_DENSE = ("direction", "coef", "decay", "seed", "options", "base")
 _PRIME = (1 << 31) - 1
 _CHUNK = 1 << 20
-_FINGERPRINT_SEED = 0x5EED
+_HASH_A, _HASH_B = 1_103_515_245, 12_345
 
 
 @torch.no_grad()
 def fingerprint(tensor: torch.Tensor) -> int:
     """A 31-bit hash of ``tensor``'s exact bits (BF16 or FP32), equal on every device.
 
-    ``sum_i bits_i * h_i mod (2^31 - 1)`` with ``h_i`` the counter-based hash of index ``i``;
-    computed ``2^20`` elements at a time.
+    ``sum_i bits_i * ((i * A + B) mod M) mod M`` with ``M = 2^31 - 1``, computed ``2^20``
+    elements at a time in int64 (no product reaches 2^63). It detects a receiver that is not
+    on the update's base weights; it is not a cryptographic checksum.
     """
     if tensor.dtype not in _DTYPES:
         raise TypeError(f"fingerprint supports {_DTYPES}, got {tensor.dtype}")
@@ -63,9 +63,9 @@ def fingerprint(tensor: torch.Tensor) -> int:
     total = 0
     for start in range(0, flat.numel(), _CHUNK):
         bits = flat[start:start + _CHUNK].to(torch.int64) & mask
-        mult = random_bits(bits.numel(), seed=_FINGERPRINT_SEED, offset=start,
-                           device=bits.device) % _PRIME
-        total = (total + int(((bits * mult) % _PRIME).sum())) % _PRIME
+        index = torch.arange(start, start + bits.numel(), dtype=torch.int64, device=bits.device)
+        mult = (index % _PRIME * _HASH_A + _HASH_B) % _PRIME
+        total = (total + int((bits * mult % _PRIME).sum())) % _PRIME
     return total
 
 
