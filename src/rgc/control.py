@@ -240,11 +240,15 @@ class PredictedKL:
         _check_attention(model)
         self._probe = (model, inputs, token_mask, logits_fn)
 
-    def scale(self, optimizer, updates) -> float:
-        """alpha for this step's ``updates`` (called by the optimizer before applying)."""
+    def check_ready(self) -> None:
+        """Raise unless a probe is set (called by the optimizer before it changes anything)."""
         if self._probe is None:
             raise RuntimeError("PredictedKL has no probe batch: call "
                                "controller.set_probe(model, inputs) before optimizer.step()")
+
+    def scale(self, optimizer, updates) -> float:
+        """alpha for this step's ``updates`` (called by the optimizer before applying)."""
+        self.check_ready()
         model, inputs, mask, logits_fn = self._probe
         logits, tangent = logits_jvp(model, inputs, updates, logits_fn=logits_fn)
         kappa = kl_coefficient(logits, tangent, mask)

@@ -113,9 +113,10 @@ class SketchOptimizer(Optimizer):
     ``_refresh`` to carry state into a new projection.
 
     Args (beyond torch.optim's ``params`` and ``defaults``):
-        step_control: ``None`` or a controller with ``scale(optimizer, updates) -> float`` and
-            ``after_update()`` (e.g. :class:`rgc.PredictedKL`): all proposals of a step are
-            gathered, scaled by the returned ``alpha`` and then applied.
+        step_control: ``None`` or a controller with ``scale(optimizer, updates) -> float``,
+            ``after_update()`` and optionally ``check_ready()`` (e.g. :class:`rgc.PredictedKL`):
+            all proposals of a step are gathered, scaled by the returned ``alpha`` and then
+            applied.
         keep_updates: keep the applied updates of the last step (one d x r FP32 copy per
             compressed weight) so that :meth:`export_update` can build a sync payload.
     """
@@ -207,6 +208,8 @@ class SketchOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         control = self.step_control
+        if control is not None and hasattr(control, "check_ready"):
+            control.check_ready()  # raise before any state or weight changes
         records = [] if self.keep_updates else None
         pending = []
         index = 0
