@@ -73,8 +73,9 @@ class RGCOptimizer(Optimizer):
     such as a fresh bias, therefore never moves: put it in a torch optimizer instead).
 
     There is no state per element: per parameter a step count, a count of skipped updates,
-    and the projection version and seed. A non-finite sketch or gradient skips that update,
-    leaves the weight untouched, warns once and increments ``state[p]['skipped']``.
+    and the layer's seed and projection version, all Python ints. A non-finite sketch or
+    gradient skips that update, leaves the weight untouched, warns once and increments
+    ``state[p]['skipped']``.
 
     Args:
         params: iterable of parameters or param groups (as torch.optim).
@@ -105,14 +106,15 @@ class RGCOptimizer(Optimizer):
         self._warned_nonfinite = False
 
     def _init_state(self, p: torch.Tensor, layer: CompressedLinear | None) -> dict:
+        # Python ints, not tensors: Optimizer.load_state_dict casts tensor state to the
+        # parameter's dtype, which would corrupt 63-bit seeds stored in a BF16 parameter's state.
         state = self.state[p]
         if not state:
-            state["step"] = torch.tensor(0, dtype=torch.int64)
-            state["skipped"] = torch.tensor(0, dtype=torch.int64)
+            state["step"] = 0
+            state["skipped"] = 0
             if layer is not None:
-                state["layer_seed"] = torch.tensor(layer.seed, dtype=torch.int64)
-                state["projection_version"] = torch.tensor(layer.projection_version,
-                                                           dtype=torch.int64)
+                state["layer_seed"] = layer.seed
+                state["projection_version"] = layer.projection_version
         return state
 
     def _skip(self, state: dict, what: str) -> None:
@@ -144,7 +146,7 @@ class RGCOptimizer(Optimizer):
     def _step_compressed(self, p, layer: CompressedLinear, group: dict, index: int) -> None:
         state = self._init_state(p, layer)
         state["step"] += 1
-        step = int(state["step"])
+        step = state["step"]
         sketch = layer.sketch
         if bool(torch.isfinite(sketch).all()):
             lowrank_normalized_update_(
@@ -157,14 +159,14 @@ class RGCOptimizer(Optimizer):
         refresh = layer.refresh
         if refresh == "every_step" or (isinstance(refresh, int) and step % refresh == 0):
             layer.set_projection_version(layer.projection_version + 1)
-        state["projection_version"].fill_(layer.projection_version)
+        state["projection_version"] = layer.projection_version
 
     def _step_dense(self, p, group: dict, index: int) -> None:
         state = self._init_state(p, None)
         state["step"] += 1
         if bool(torch.isfinite(p.grad).all()):
             dense_normalized_update_(p, p.grad, group["lr"],
-                                     seed=rounding_seed(group["seed"], index, int(state["step"])),
+                                     seed=rounding_seed(group["seed"], index, state["step"]),
                                      stochastic_rounding=group["stochastic_rounding"])
         else:
             self._skip(state, "gradient")
@@ -187,5 +189,5 @@ class RGCOptimizer(Optimizer):
                 state = self.state.get(p)
                 if layer is None or not state or "projection_version" not in state:
                     continue
-                layer.seed = int(state["layer_seed"])
-                layer.set_projection_version(int(state["projection_version"]))
+                layer.seed = state["layer_seed"]
+                layer.set_projection_version(state["projection_version"])
