@@ -216,10 +216,11 @@ def wrap(model: nn.Module, rank: int, *, targets: Targets = None,
                            if isinstance(m, nn.Linear)})
     chosen = [(n, m) for n, m in model.named_modules() if n and _matches(targets, n, m)]
     if not chosen:
-        shown = sorted(targets) if isinstance(targets, (list, tuple, set, frozenset)) else targets
-        raise ValueError(
-            f"targets {shown!r} matched no module; the model's nn.Linear layers are named "
-            f"{linear_names}")
+        shown = DEFAULT_TARGETS if targets is None else targets
+        if not callable(shown):
+            shown = sorted(shown)
+        raise ValueError(f"targets {shown!r} matched no module; the model's nn.Linear layers "
+                         f"are named {linear_names}")
     for name, module in chosen:
         if not isinstance(module, nn.Linear):
             hint = (" (transformers' GPT-2 Conv1D stores W transposed and is not supported; "

@@ -150,14 +150,15 @@ class SketchOptimizer(Optimizer):
 
     # -- shared machinery ---------------------------------------------------------------
     def _init_state(self, p: torch.Tensor, layer: CompressedLinear | None) -> dict:
+        # Python ints, not tensors: Optimizer.load_state_dict casts tensor state to the
+        # parameter's dtype, which would corrupt 63-bit seeds stored in a BF16 parameter's state.
         state = self.state[p]
         if not state:
-            state["step"] = torch.tensor(0, dtype=torch.int64)
-            state["skipped"] = torch.tensor(0, dtype=torch.int64)
+            state["step"] = 0
+            state["skipped"] = 0
             if layer is not None:
-                state["layer_seed"] = torch.tensor(layer.seed, dtype=torch.int64)
-                state["projection_version"] = torch.tensor(layer.projection_version,
-                                                           dtype=torch.int64)
+                state["layer_seed"] = layer.seed
+                state["projection_version"] = layer.projection_version
         return state
 
     def _skip(self, state: dict, what: str) -> None:
@@ -170,10 +171,10 @@ class SketchOptimizer(Optimizer):
 
     def _finish_layer(self, p, layer: CompressedLinear, state: dict) -> None:
         layer.zero_sketch(set_to_none=False)
-        refresh, step = layer.refresh, int(state["step"])
+        refresh, step = layer.refresh, state["step"]
         if refresh == "every_step" or (isinstance(refresh, int) and step % refresh == 0):
             self._refresh(p, layer, state)
-        state["projection_version"].fill_(layer.projection_version)
+        state["projection_version"] = layer.projection_version
 
     def _apply(self, update, alpha: float, records: list | None) -> None:
         if update is None:
@@ -220,7 +221,7 @@ class SketchOptimizer(Optimizer):
                 if layer is not None and layer.sketch is not None:
                     state = self._init_state(p, layer)
                     state["step"] += 1
-                    seed = rounding_seed(group["seed"], index - 1, int(state["step"]))
+                    seed = rounding_seed(group["seed"], index - 1, state["step"])
                     update = None
                     if bool(torch.isfinite(layer.sketch).all()):
                         update = self._propose_lowrank(p, layer, group, state, seed)
@@ -230,7 +231,7 @@ class SketchOptimizer(Optimizer):
                 elif p.grad is not None:
                     state = self._init_state(p, None)
                     state["step"] += 1
-                    seed = rounding_seed(group["seed"], index - 1, int(state["step"]))
+                    seed = rounding_seed(group["seed"], index - 1, state["step"])
                     update = None
                     if bool(torch.isfinite(p.grad).all()):
                         update = self._propose_dense(p, group, state, seed)
@@ -292,9 +293,9 @@ class SketchOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load state and put every compressed layer back on its saved projection.
 
-        torch.optim casts floating state to the parameter's dtype (and integer state too, for a
-        float parameter); here every state tensor keeps its saved dtype exactly (the int64
-        seeds and FP32 moments of a BF16 weight included), so resume is bit-identical.
+        torch.optim casts tensor state to the parameter's dtype; here every state tensor keeps
+        its saved dtype (the FP32 moments of a BF16 weight stay FP32), so resume is
+        bit-identical.
         """
         state_dict = dict(state_dict)
         self.steps_taken = int(state_dict.pop("rgc_steps_taken", 0))
@@ -308,11 +309,10 @@ class SketchOptimizer(Optimizer):
             state = self.state[p]
             for key, value in saved[pid].items():
                 if torch.is_tensor(value):
-                    state[key] = value.to(device=p.device if value.dim() else "cpu",
-                                          copy=True)
+                    state[key] = value.to(device=p.device, copy=True)
             layer = compressed_layer_of(p)
             if layer is not None and "projection_version" in state:
-                layer.seed = int(state["layer_seed"])
-                layer.set_projection_version(int(state["projection_version"]))
+                layer.seed = state["layer_seed"]
+                layer.set_projection_version(state["projection_version"])
 
 

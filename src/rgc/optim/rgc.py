@@ -69,8 +69,9 @@ class RGCOptimizer(SketchOptimizer):
     such as a fresh bias, therefore never moves: put it in a torch optimizer instead).
 
     There is no state per element: per parameter a step count, a count of skipped updates,
-    and the projection version and seed. A non-finite sketch or gradient skips that update,
-    leaves the weight untouched, warns once and increments ``state[p]['skipped']``.
+    and the layer's seed and projection version, all Python ints. A non-finite sketch or
+    gradient skips that update, leaves the weight untouched, warns once and increments
+    ``state[p]['skipped']``.
 
     Args:
         params: iterable of parameters or param groups (as torch.optim).

@@ -95,7 +95,7 @@ class RowAdam(SketchOptimizer):
             shape = grad.shape[:1] if row_mean_square else grad.shape
             state["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=grad.device)
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        t = int(state["step"]) - int(state["skipped"])
+        t = state["step"] - state["skipped"]
         g = grad.to(torch.float32)
         m.mul_(beta1).add_(g, alpha=1.0 - beta1)
         g2 = g.square().mean(dim=1) if row_mean_square else g.square()

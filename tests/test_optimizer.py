@@ -1,0 +1,211 @@
+import io
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import rgc
+from rgc import CompressedLinear, RGCOptimizer, make_projection
+from rgc.reference import lowrank_update_reference
+from tests.alloc import RecordAllocations
+from tests.models import TinyBlockLM
+
+
+def rebuild_h(sketch, projection, chunk_rows=128):
+    """H = C P^T through the library's chunked update of a zero FP32 matrix with coef -1."""
+    h = torch.zeros(sketch.shape[0], projection.shape[0])
+    lowrank_update_reference(h, sketch, projection, -1.0, seed=0, chunk_rows=chunk_rows)
+    return h
+
+
+@pytest.mark.parametrize("kind", rgc.PROJECTION_KINDS)
+def test_rebuilt_h_is_unbiased_over_projection_seeds(kind):
+    # Mean of H over 3000 projections converges to G = D^T X. The relative error of the mean
+    # is about sqrt(k / (r n)) ~ 0.03 here; the tolerance is 0.1.
+    torch.manual_seed(0)
+    d, k, r, n = 5, 12, 3, 3000
+    lin = nn.Linear(k, d, bias=False)
+    x, dout = torch.randn(16, k), torch.randn(16, d)
+    g = dout.double().T @ x.double()
+    mean_h = torch.zeros(d, k, dtype=torch.float64)
+    for seed in range(n):
+        layer = CompressedLinear.from_linear(lin, r, projection=kind, seed=seed)
+        layer(x).backward(dout)
+        mean_h += rebuild_h(layer.sketch, layer.projection).double()
+    mean_h /= n
+    assert (mean_h - g).norm() / g.norm() < 0.1
+
+
+def test_chunked_rebuild_equals_one_shot():
+    torch.manual_seed(1)
+    c, p = torch.randn(37, 6), make_projection("orthonormal", 50, 6, seed=2)
+    one_shot = (c.double() @ p.double().T)
+    for chunk in (1, 5, 36, 37, 128):
+        torch.testing.assert_close(rebuild_h(c, p, chunk).double(), one_shot, rtol=1e-5,
+                                   atol=1e-5)
+
+
+def one_layer(dtype, d=40, k=30, r=5, seed=0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, d, bias=False, dtype=dtype)
+    layer = CompressedLinear.from_linear(lin, r, seed=seed)
+    x, dout = torch.randn(8, k, dtype=dtype), torch.randn(8, d, dtype=dtype)
+    layer(x).backward(dout)
+    return layer
+
+
+def test_fp32_step_matches_the_formula_exactly():
+    layer = one_layer(torch.float32)
+    w0 = layer.weight.detach().double().clone()
+    c, p = layer.sketch.double(), layer.projection.double()
+    h = c @ p.T
+    tau = 0.01
+    RGCOptimizer([layer.weight], lr=tau).step()
+    expected = w0 - tau * w0.norm() * h / h.norm()
+    torch.testing.assert_close(layer.weight.double(), expected, rtol=1e-6, atol=1e-7)
+    assert abs((layer.weight.double() - w0).norm() / w0.norm() - tau) < 1e-5
+
+
+def test_bf16_step_size_is_tau_within_rounding_noise():
+    # ||W' - W||^2 = tau^2 ||W||^2 + (stochastic-rounding noise). The noise of an element with
+    # target v between BF16 neighbours lo < hi has variance (hi - v)(v - lo); we compare the
+    # measured size with sqrt(tau^2 ||W||^2 + sum of variances) within 3%.
+    layer = one_layer(torch.bfloat16, d=200, k=150, r=8)
+    w0 = layer.weight.detach().double().clone()
+    h = layer.sketch.double() @ layer.projection.double().T
+    tau = 0.01
+    RGCOptimizer([layer.weight], lr=tau).step()
+    target = (w0 - tau * w0.norm() * h / h.norm()).float()
+    bits = target.view(torch.int32).to(torch.int64)
+    down = (bits & ~0xFFFF).to(torch.int32).view(torch.float32).double()
+    up = ((bits & ~0xFFFF) + 0x10000).to(torch.int32).view(torch.float32).double()
+    t = target.double()
+    variance = ((up - t) * (t - down)).abs().sum()
+    predicted = math.sqrt(tau**2 * w0.norm().item() ** 2 + variance.item())
+    measured = (layer.weight.double() - w0).norm().item()
+    assert abs(measured / predicted - 1) < 0.03
+    assert ((layer.weight.double() == down) | (layer.weight.double() == up)).all()
+
+
+def test_no_dense_gradient_is_allocated_in_backward_or_step():
+    torch.manual_seed(0)
+    d, k, r = 300, 200, 8
+    layer = CompressedLinear.from_linear(nn.Linear(k, d, bias=False, dtype=torch.bfloat16), r)
+    opt = RGCOptimizer([layer.weight], lr=1e-3, chunk_rows=64)
+    x = torch.randn(16, k, dtype=torch.bfloat16, requires_grad=True)
+    with RecordAllocations() as rec:
+        layer(x).sum().backward()
+        opt.step()
+    assert rec.sizes, "the recorder saw no allocation"
+    assert rec.largest() < d * k, sorted(rec.sizes, key=lambda s: -torch.Size(s[1]).numel())[:3]
+    assert (d, k) not in [s for _, s in rec.sizes]
+    assert layer.weight.grad is None
+
+
+def train_steps(model, opt, batches):
+    for ids in batches:
+        logits = model(ids[:, :-1])
+        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_state_dict_round_trip_resumes_bit_identically():
+    batches = [torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(i))
+               for i in range(6)]
+    model = rgc.wrap(TinyBlockLM(dtype=torch.bfloat16), rank=4, seed=7, refresh=2)
+    opt = RGCOptimizer(model.parameters(), lr=1e-2, seed=3)
+    train_steps(model, opt, batches[:3])
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    train_steps(model, opt, batches[3:])
+
+    buf.seek(0)
+    saved = torch.load(buf)
+    resumed = TinyBlockLM(dtype=torch.bfloat16)
+    resumed.load_state_dict(saved["model"])
+    rgc.wrap(resumed, rank=4, seed=7, refresh=2)
+    opt2 = RGCOptimizer(resumed.parameters(), lr=1e-2, seed=3)
+    opt2.load_state_dict(saved["opt"])
+    train_steps(resumed, opt2, batches[3:])
+    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_refresh_schedules():
+    def versions_after(refresh, steps):
+        layer = CompressedLinear(6, 4, rank=2, refresh=refresh)
+        opt = RGCOptimizer([layer.weight], lr=0.1)
+        seen = []
+        for _ in range(steps):
+            layer(torch.randn(3, 6)).sum().backward()
+            opt.step()
+            seen.append(layer.projection_version)
+        return seen
+
+    assert versions_after("every_step", 3) == [1, 2, 3]
+    assert versions_after("never", 3) == [0, 0, 0]
+    assert versions_after(2, 5) == [0, 1, 1, 2, 2]
+
+
+def test_non_finite_sketch_is_skipped_and_counted():
+    model = rgc.wrap(TinyBlockLM(), rank=3)
+    opt = RGCOptimizer(model.parameters(), lr=0.1)
+    model(torch.randint(0, 32, (2, 5))).sum().backward()
+    bad, good = model.blocks[0].q_proj, model.blocks[0].up_proj
+    bad.sketch[0, 0] = float("nan")
+    w_bad, w_good = bad.weight.detach().clone(), good.weight.detach().clone()
+    with pytest.warns(RuntimeWarning, match="non-finite sketch"):
+        opt.step()
+    assert torch.equal(bad.weight, w_bad) and not torch.equal(good.weight, w_good)
+    assert int(opt.state[bad.weight]["skipped"]) == 1
+    assert torch.isfinite(bad.sketch).all()
+
+
+def test_dense_parameters_use_the_normalised_rule():
+    model = rgc.wrap(TinyBlockLM(), rank=3, freeze_others=False)
+    opt = RGCOptimizer(model.parameters(), lr=0.05)
+    norm_w = model.blocks[0].norm.weight
+    model(torch.randint(0, 32, (2, 5))).sum().backward()
+    w0, g = norm_w.detach().double().clone(), norm_w.grad.double().clone()
+    opt.step()
+    torch.testing.assert_close(norm_w.double(), w0 - 0.05 * w0.norm() * g / g.norm(),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_scheduler_closure_and_zero_grad():
+    layer = CompressedLinear(6, 4, rank=2)
+    opt = RGCOptimizer([layer.weight], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 if epoch == 0 else 0.0)
+    x = torch.randn(3, 6)
+
+    def closure():
+        loss = layer(x).square().sum()
+        loss.backward()
+        return loss
+
+    w0 = layer.weight.detach().clone()
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and not torch.equal(layer.weight, w0)
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.0
+    w1 = layer.weight.detach().clone()
+    opt.step(closure)
+    assert torch.equal(layer.weight, w1)
+    layer(x).sum().backward()
+    opt.zero_grad()
+    assert layer.sketch is None
+
+
+def test_constructor_errors():
+    layer = CompressedLinear(6, 4, rank=2)
+    for kwargs, match in [(dict(lr=-1.0), "lr"), (dict(lr=float("nan")), "lr"),
+                          (dict(lr=0.1, chunk_rows=0), "chunk_rows"),
+                          (dict(lr=0.1, seed=-2), "seed")]:
+        with pytest.raises(ValueError, match=match):
+            RGCOptimizer([layer.weight], **kwargs)
+    frozen = nn.Linear(3, 3).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameter"):
+        RGCOptimizer(frozen.parameters(), lr=0.1)
