@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rgc
@@ -24,6 +24,7 @@ def _batches(n, d_in, steps, seed):
             for _ in range(steps)]
 
 
+@settings(max_examples=10)
 @given(d_in=st.integers(6, 20), hidden=st.integers(3, 12), rank=st.integers(1, 5),
        beta1=st.sampled_from([0.0, 0.9]), wd=st.sampled_from([0.0, 0.1]),
        refresh=st.sampled_from(["never", "every_step", 2]), seed=st.integers(0, 2**16))
