@@ -184,3 +184,18 @@ def test_payload_is_sketch_sized():
         nbytes = sum(v.numel() * v.element_size() for v in fields.values())
         d, r = layer.out_features, layer.rank
         assert nbytes == 4 * d * r + 8 * (1 + 1 + 1 + 4 + 3 + 1)
+
+
+@pytest.mark.parametrize("dtype, width", [(torch.bfloat16, 16), (torch.float32, 32)])
+def test_fingerprint_follows_its_formula_and_sees_one_ulp(dtype, width):
+    from rgc.sync import _HASH_A, _HASH_B, fingerprint
+
+    t = torch.randn(7, 5).to(dtype)
+    ints = t.view(torch.int16 if width == 16 else torch.int32).flatten().tolist()
+    m = 2 ** 31 - 1
+    expected = sum((b % 2 ** width) * ((i * _HASH_A + _HASH_B) % m)
+                   for i, b in enumerate(ints)) % m
+    assert fingerprint(t) == expected
+    bumped = t.clone()
+    bumped.view(torch.int16 if width == 16 else torch.int32)[3, 2] += 1
+    assert fingerprint(bumped) != fingerprint(t)
