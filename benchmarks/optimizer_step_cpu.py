@@ -83,7 +83,15 @@ def main(argv=None) -> list[dict]:
                     help="torch intra-op threads (1: stable figures on a shared machine)")
     ap.add_argument("--out", type=Path, default=None, help="results directory")
     args = ap.parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run(args) -> list[dict]:
 
     shapes = layer_shapes(args.scale) * args.layers
     numel = sum(d * k for _, d, k in shapes)

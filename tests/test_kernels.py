@@ -8,6 +8,7 @@ module before any kernel runs, and restores both afterwards.
 import importlib
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -268,3 +269,16 @@ def test_optimizer_triton_path_matches_torch_path(monkeypatch):
     for w0, a, b in zip(start, triton_weights, torch_weights, strict=True):
         assert (bf16_ulp_distance(w0, b) != 0).double().mean() > 0.5  # the steps moved W
         assert_close_bf16(a, b)
+
+
+# ---------------------------------------------------------------------------- benchmarks
+
+def test_gpu_benchmark_smoke_mode(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import gpu_kernels
+
+    rows = gpu_kernels.main(["--smoke", "--out", str(tmp_path)])
+    assert len(rows) == len(gpu_kernels.SMOKE_SHAPES) * len(gpu_kernels.SMOKE_RANKS)
+    assert all(row["mismatch_vs_torch"] <= MAX_MISMATCH for row in rows)
+    for name in ("gpu_kernels_smoke", "gpu_kernels_sweep_smoke"):
+        assert "## Environment" in (tmp_path / f"{name}.md").read_text()

@@ -109,7 +109,7 @@ def _lowrank_update_kernel(w_ptr, c_ptr, p_ptr, coef, d, k, r,
                     p2 = (p_rest - p1.to(tl.float32)).to(tl.bfloat16)
                     acc = tl.dot(c0.to(DOT_DTYPE), p2.to(DOT_DTYPE), acc)
 
-    w_ptrs = w_ptr + rows[:, None] * stride_wm + cols[None, :] * stride_wn
+    w_ptrs = w_ptr + rows[:, None] * stride_wm + cols.to(tl.int64)[None, :] * stride_wn
     mask = row_ok[:, None] & col_ok[None, :]
     new = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32) - coef * acc
     if STOCHASTIC:
