@@ -4,8 +4,10 @@ Both optimizers update the same set of layers: the seven projections (q, k, v, o
 down) of Qwen3-1.7B decoder layers (hidden 2048, 16 query and 8 key/value heads of 128,
 intermediate 6144), every dimension divided by ``--scale`` to fit a small CPU. The RGC step
 includes everything ``step()`` does (||H|| from the Gram, ||W||, the chunked rebuild with
-stochastic rounding, clearing C, regenerating P). AdamW gets the same BF16 weights with BF16
-gradients (its state in BF16, as torch keeps it), and FP32 weights with FP32 gradients.
+stochastic rounding, clearing C, regenerating P); a third row times only the FP32 GEMMs of
+the rebuild (2 r flops per weight element), the floor of any CPU implementation of the step.
+AdamW gets the same BF16 weights with BF16 gradients (its state in BF16, as torch keeps it),
+and FP32 weights with FP32 gradients.
 Timings are medians over interleaved repetitions; the ratio is what to read.
 
     python benchmarks/optimizer_step_cpu.py [--scale 4] [--layers 2] [--rank 64] [--reps 7]
@@ -59,6 +61,22 @@ def build_rgc(shapes, rank: int, refresh, seed: int = 0):
     return step
 
 
+def build_rebuild_only(shapes, rank: int, chunk_rows: int = 128):
+    """Only the FP32 GEMMs that rebuild H chunk by chunk: the floor of any CPU RGC step."""
+    mats = [(torch.randn(d, k).to(torch.bfloat16), torch.randn(d, rank),
+             torch.randn(k, rank).to(torch.bfloat16)) for _, d, k in shapes]
+
+    def step():
+        t = time.perf_counter()
+        for w, c, p in mats:
+            p_t = p.to(torch.float32).t()
+            for start in range(0, w.shape[0], chunk_rows):
+                torch.addmm(w[start:start + chunk_rows].to(torch.float32),
+                            c[start:start + chunk_rows], p_t, alpha=-1e-3)
+        return time.perf_counter() - t
+    return step
+
+
 def build_adamw(shapes, dtype: torch.dtype):
     params = [nn.Parameter(torch.randn(d, k, dtype=dtype) * 0.02) for _, d, k in shapes]
     for p in params:
@@ -98,6 +116,7 @@ def run(args) -> list[dict]:
     runs = {
         "rgc (P refreshed every step)": build_rgc(shapes, args.rank, "every_step"),
         "rgc (P fixed)": build_rgc(shapes, args.rank, "never"),
+        "of which: rebuild GEMMs only": build_rebuild_only(shapes, args.rank),
         "adamw foreach, bf16 params": build_adamw(shapes, torch.bfloat16),
         "adamw foreach, fp32 params": build_adamw(shapes, torch.float32),
     }

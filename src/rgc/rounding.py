@@ -20,6 +20,7 @@ unchanged. A finite FP32 value above the largest BF16 number may round to inf.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from rgc.seeding import derive_seed
@@ -75,23 +76,59 @@ def _mix32_int32_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _random_bits_int32(numel: int, *, seed: int, offset: int, device) -> torch.Tensor:
-    """:func:`random_bits` as int32 patterns, for ``numel < 2**31``.
+def _index_words(numel: int, offset: int) -> tuple[int, int, int, int]:
+    """``(n_lo of element 0, n_hi before the wrap, n_hi after it, wrap)``.
 
-    Same values as ``random_bits`` (mod 2**32) at a fraction of the cost: four bytes per
-    element instead of eight, and no emulated 64-bit products.
+    ``n_hi`` is ``offset >> 32`` up to element ``wrap``, where ``offset + i`` reaches the next
+    multiple of 2**32, and one more from there (``numel < 2**32``).
     """
-    s_lo, s_hi = seed_words(seed)
     off_lo, off_hi = offset & _M32, offset >> 32
+    return off_lo, off_hi, off_hi + 1, min(numel, (1 << 32) - off_lo)
+
+
+def _random_bits_int32(numel: int, *, seed: int, offset: int, device) -> torch.Tensor:
+    """:func:`random_bits` as int32 patterns (same values mod 2**32), for ``numel < 2**31``."""
+    s_lo, s_hi = seed_words(seed)
+    off_lo, hi0, hi1, wrap = _index_words(numel, offset)
     x = torch.arange(numel, dtype=torch.int32, device=device)
     x += _as_int32(off_lo)
     x ^= _as_int32(s_lo)
     _mix32_int32_(x)
-    # n_hi is off_hi up to where offset + i crosses a multiple of 2**32, then off_hi + 1.
-    wrap = min(numel, (1 << 32) - off_lo)
-    x[:wrap] ^= _as_int32(off_hi + s_hi)
-    x[wrap:] ^= _as_int32(off_hi + 1 + s_hi)
+    x[:wrap] ^= _as_int32(hi0 + s_hi)
+    x[wrap:] ^= _as_int32(hi1 + s_hi)
     return _mix32_int32_(x)
+
+
+def _mix32_numpy_(x: np.ndarray, tmp: np.ndarray) -> None:
+    # uint32 arrays: products wrap mod 2**32 and shifts are logical, so mix32 takes 8
+    # in-place passes instead of 11 on int32 tensors.
+    np.right_shift(x, 16, out=tmp)
+    x ^= tmp
+    x *= np.uint32(MIX32_MUL1)
+    np.right_shift(x, 15, out=tmp)
+    x ^= tmp
+    x *= np.uint32(MIX32_MUL2)
+    np.right_shift(x, 16, out=tmp)
+    x ^= tmp
+
+
+def _stochastic_round_numpy(x32: torch.Tensor, *, seed: int, offset: int) -> torch.Tensor:
+    """The CPU path for contiguous FP32 ``x32`` without NaN (~2x faster than torch ops)."""
+    s_lo, s_hi = seed_words(seed)
+    off_lo, hi0, hi1, wrap = _index_words(x32.numel(), offset)
+    h = np.arange(x32.numel(), dtype=np.uint32)
+    h += np.uint32(off_lo)
+    h ^= np.uint32(s_lo)
+    tmp = np.empty_like(h)
+    _mix32_numpy_(h, tmp)
+    h[:wrap] ^= np.uint32((hi0 + s_hi) & _M32)
+    h[wrap:] ^= np.uint32((hi1 + s_hi) & _M32)
+    _mix32_numpy_(h, tmp)
+    h &= np.uint32(0xFFFF)
+    h += x32.detach().numpy().reshape(-1).view(np.uint32)  # no NaN, so no carry out of 32 bits
+    h >>= np.uint32(16)
+    bf16 = torch.from_numpy(h.astype(np.uint16).view(np.int16)).view(torch.bfloat16)
+    return bf16.view(x32.shape)
 
 
 _MAX_SEGMENT = 1 << 30
@@ -119,6 +156,8 @@ def stochastic_round(x: torch.Tensor, *, seed: int, offset: int = 0) -> torch.Te
         return torch.cat([
             stochastic_round(flat[i:i + _MAX_SEGMENT], seed=seed, offset=offset + i)
             for i in range(0, flat.numel(), _MAX_SEGMENT)]).view(x32.shape)
+    if x32.device.type == "cpu" and not torch.isnan(x32.sum()):  # a NaN makes the sum NaN
+        return _stochastic_round_numpy(x32, seed=seed, offset=offset)
     pattern = _random_bits_int32(x32.numel(), seed=seed, offset=offset, device=x32.device)
     # int32 addition on the raw pattern: for negative values the sign bit is set and the
     # magnitude bits still receive the carry, so the rounding is symmetric about zero.
@@ -126,8 +165,4 @@ def stochastic_round(x: torch.Tensor, *, seed: int, offset: int = 0) -> torch.Te
     pattern += x32.view(-1).view(torch.int32)
     pattern &= -65536
     rounded = pattern.view(torch.float32).view(x32.shape)
-    if x32.device.type == "cpu" and not torch.isnan(x32.sum()):
-        # No NaN (a NaN makes the sum NaN): skip the select, which costs more on the CPU
-        # than the whole hash.
-        return rounded.to(torch.bfloat16)
     return torch.where(torch.isnan(x32), x32, rounded).to(torch.bfloat16)
