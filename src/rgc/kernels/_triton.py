@@ -89,21 +89,21 @@ def _lowrank_update_kernel(w_ptr, c_ptr, p_ptr, coef, d, k, r,
         c = tl.load(c_ptr + rows[:, None] * stride_cm + rr[None, :] * stride_cr,
                     mask=row_ok[:, None] & rr_ok[None, :], other=0.0)
         p = tl.load(p_ptr + cols[None, :] * stride_pk + rr[:, None] * stride_pr,
-                    mask=col_ok[None, :] & rr_ok[:, None], other=0.0).to(tl.float32)
+                    mask=col_ok[None, :] & rr_ok[:, None], other=0.0)
         c0 = c.to(tl.bfloat16)
-        p0 = p.to(tl.bfloat16).to(DOT_DTYPE)
-        acc = tl.dot(c0.to(DOT_DTYPE), p0, acc)
+        p0 = p.to(tl.bfloat16)
+        acc = tl.dot(c0.to(DOT_DTYPE), p0.to(DOT_DTYPE), acc)
         if C_PARTS >= 2:
             c_rest = c - c0.to(tl.float32)
             c1 = c_rest.to(tl.bfloat16)
-            acc = tl.dot(c1.to(DOT_DTYPE), p0, acc)
+            acc = tl.dot(c1.to(DOT_DTYPE), p0.to(DOT_DTYPE), acc)
             if P_PARTS >= 2:
-                p_rest = p - p.to(tl.bfloat16).to(tl.float32)
+                p_rest = p.to(tl.float32) - p0.to(tl.float32)
                 p1 = p_rest.to(tl.bfloat16)
                 acc = tl.dot(c0.to(DOT_DTYPE), p1.to(DOT_DTYPE), acc)
             if C_PARTS >= 3:
                 c2 = (c_rest - c1.to(tl.float32)).to(tl.bfloat16)
-                acc = tl.dot(c2.to(DOT_DTYPE), p0, acc)
+                acc = tl.dot(c2.to(DOT_DTYPE), p0.to(DOT_DTYPE), acc)
                 if P_PARTS >= 2:
                     acc = tl.dot(c1.to(DOT_DTYPE), p1.to(DOT_DTYPE), acc)
                     p2 = (p_rest - p1.to(tl.float32)).to(tl.bfloat16)
