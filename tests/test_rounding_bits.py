@@ -56,3 +56,16 @@ def test_nan_stays_nan_between_finite_values(nan_bits):
     for i, v in enumerate(x.tolist()):
         if i != 517:
             assert got[i] & 0xFFFF == round_int(v, offset + i, 4)
+
+
+def test_long_input_crossing_blocks_and_the_2_32_boundary():
+    # Longer than several CPU blocks, with offset + i crossing 2**32 inside a later block;
+    # reference: the int64 random_bits and the rounding written out in int64.
+    n = 3 * 2**15 + 123
+    offset = 2**32 - 2 * 2**15 - 7
+    x = torch.randn(n) * 100
+    bits = random_bits(n, seed=99, offset=offset)
+    pattern = x.view(torch.int32).to(torch.int64) & M32
+    want = (((pattern + (bits & 0xFFFF)) & M32) >> 16).to(torch.int32)
+    got = stochastic_round(x, seed=99, offset=offset).view(torch.int16).to(torch.int32) & 0xFFFF
+    assert torch.equal(got, want)

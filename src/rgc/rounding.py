@@ -112,23 +112,35 @@ def _mix32_numpy_(x: np.ndarray, tmp: np.ndarray) -> None:
     x ^= tmp
 
 
+# Elements hashed at once on the CPU: the uint32 work arrays (128 KiB each) stay in L2;
+# measured ~3x faster than whole 128-row chunks of a 1536-wide weight.
+_CPU_BLOCK = 1 << 15
+
+
 def _stochastic_round_numpy(x32: torch.Tensor, *, seed: int, offset: int) -> torch.Tensor:
-    """The CPU path for contiguous FP32 ``x32`` without NaN (~2x faster than torch ops)."""
+    """The CPU path for contiguous FP32 ``x32`` without NaN (numpy uint32 ufuncs, in place)."""
     s_lo, s_hi = seed_words(seed)
-    off_lo, hi0, hi1, wrap = _index_words(x32.numel(), offset)
-    h = np.arange(x32.numel(), dtype=np.uint32)
-    h += np.uint32(off_lo)
-    h ^= np.uint32(s_lo)
-    tmp = np.empty_like(h)
-    _mix32_numpy_(h, tmp)
-    h[:wrap] ^= np.uint32((hi0 + s_hi) & _M32)
-    h[wrap:] ^= np.uint32((hi1 + s_hi) & _M32)
-    _mix32_numpy_(h, tmp)
-    h &= np.uint32(0xFFFF)
-    h += x32.detach().numpy().reshape(-1).view(np.uint32)  # no NaN, so no carry out of 32 bits
-    h >>= np.uint32(16)
-    bf16 = torch.from_numpy(h.astype(np.uint16).view(np.int16)).view(torch.bfloat16)
-    return bf16.view(x32.shape)
+    n = x32.numel()
+    x_bits = x32.detach().numpy().reshape(-1).view(np.uint32)
+    out = np.empty(n, dtype=np.uint16)
+    block = min(_CPU_BLOCK, n)
+    counter = np.arange(block, dtype=np.uint32)
+    h, tmp = np.empty(block, dtype=np.uint32), np.empty(block, dtype=np.uint32)
+    for start in range(0, n, block):
+        m = min(block, n - start)
+        hb, tb = h[:m], tmp[:m]
+        off_lo, hi0, hi1, wrap = _index_words(m, offset + start)
+        np.add(counter[:m], np.uint32(off_lo), out=hb)
+        hb ^= np.uint32(s_lo)
+        _mix32_numpy_(hb, tb)
+        hb[:wrap] ^= np.uint32((hi0 + s_hi) & _M32)
+        hb[wrap:] ^= np.uint32((hi1 + s_hi) & _M32)
+        _mix32_numpy_(hb, tb)
+        hb &= np.uint32(0xFFFF)
+        hb += x_bits[start:start + m]  # no NaN, so no carry out of 32 bits
+        hb >>= np.uint32(16)
+        out[start:start + m] = hb
+    return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16).view(x32.shape)
 
 
 _MAX_SEGMENT = 1 << 30
