@@ -26,7 +26,7 @@ import rgc.kernels as K  # noqa: E402
 BF16_MAX_BITS = 0x7F7F0000
 # Fused update vs the float64 reference: every element within one BF16 ulp, and at most this
 # fraction of elements differing at all (a differing FP32 summation order moves a value
-# across a rounding threshold only rarely; measured 0 of ~10^5 here).
+# across a rounding threshold only rarely: none in 4 x 10^5 elements of these shapes).
 MAX_MISMATCH = 1e-3
 
 
@@ -122,9 +122,9 @@ def test_rounding_kernel_specials_and_layouts():
     out = K.stochastic_round(SPECIALS, seed=3)
     assert_same_rounding(out, stochastic_round(SPECIALS, seed=3))
     # BF16-representable values (+-0, subnormals, BF16 max, inf) come back unchanged.
-    exact = SPECIALS[(bits16(SPECIALS.bfloat16()).to(torch.int32) << 16).view(torch.float32)
-                     .eq(SPECIALS)]
-    assert torch.equal(K.stochastic_round(exact, seed=9).float(), exact)
+    exact = SPECIALS[SPECIALS.bfloat16().float() == SPECIALS]
+    assert len(exact) >= 12
+    assert torch.equal(bits16(K.stochastic_round(exact, seed=9)), bits16(exact.bfloat16()))
     # A transposed (non-contiguous) input and output: flat index = logical row-major order.
     x = torch.randn(37, 21).t()
     out = torch.empty(33, 37, 21, dtype=torch.bfloat16)[0].t()

@@ -123,7 +123,7 @@ def _stochastic_round_numpy(x32: torch.Tensor, *, seed: int, offset: int) -> tor
     n = x32.numel()
     x_bits = x32.detach().numpy().reshape(-1).view(np.uint32)
     out = np.empty(n, dtype=np.uint16)
-    block = min(_CPU_BLOCK, n)
+    block = max(1, min(_CPU_BLOCK, n))
     counter = np.arange(block, dtype=np.uint32)
     h, tmp = np.empty(block, dtype=np.uint32), np.empty(block, dtype=np.uint32)
     for start in range(0, n, block):

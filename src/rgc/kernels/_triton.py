@@ -33,8 +33,8 @@ def _mix32(x):
 def _bf16_from_bits(x, add):
     """BF16 whose pattern is the upper half of ``bits(x) + add`` (``add`` < 2**16, uint32).
 
-    Built bitwise, without a float conversion (the interpreter's truncates and a GPU's may
-    flush subnormals); NaN keeps its sign and top payload bits and is made quiet.
+    Built bitwise, so the result does not depend on a backend's float conversion (the
+    interpreter's truncates); NaN keeps its sign and top payload bits and is made quiet.
     """
     x_bits = x.to(tl.uint32, bitcast=True)
     upper = tl.where(x != x, (x_bits >> 16) | 0x40, (x_bits + add) >> 16)
