@@ -48,7 +48,9 @@ def _round_bf16(x, n_lo, n_hi, s_lo, s_hi):
     return _bf16_from_bits(x, bits & 0xFFFF)
 
 
-@triton.jit
+# The hash words are converted with .to(), which a value specialised to a constant (Triton
+# does that for 1) would not have.
+@triton.jit(do_not_specialize=["s_lo", "s_hi"])
 def _stochastic_round_kernel(x_ptr, out_ptr, numel, offset, s_lo, s_hi,
                              BLOCK: tl.constexpr):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -60,7 +62,7 @@ def _stochastic_round_kernel(x_ptr, out_ptr, numel, offset, s_lo, s_hi,
     tl.store(out_ptr + idx, out, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_lo", "s_hi"])
 def _lowrank_update_kernel(w_ptr, c_ptr, p_ptr, coef, d, k, r,
                            stride_wm, stride_wn, stride_cm, stride_cr, stride_pk, stride_pr,
                            offset, s_lo, s_hi,
