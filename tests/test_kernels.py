@@ -295,7 +295,11 @@ def _train(impl: str, monkeypatch, steps: int = 3):
 
 def test_optimizer_triton_path_matches_torch_path(monkeypatch):
     start, torch_weights = _train("torch", monkeypatch)
+    calls = []
+    kernel = K.lowrank_update_
+    monkeypatch.setattr(K, "lowrank_update_", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     _, triton_weights = _train("triton", monkeypatch)
+    assert len(calls) == 2 * 3  # two layers, three steps, all through the kernel
     for w0, a, b in zip(start, triton_weights, torch_weights, strict=True):
         assert (bf16_ulp_distance(w0, b) != 0).double().mean() > 0.5  # the steps moved W
         assert_close_bf16(a, b)
