@@ -7,13 +7,18 @@ kernel is defined).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from rgc.rounding import MIX32_MUL1, MIX32_MUL2, seed_words
 
-INTERPRETED = bool(triton.knobs.runtime.interpret)
+try:
+    INTERPRETED = bool(triton.knobs.runtime.interpret)
+except AttributeError:  # Triton before 3.4 has no knobs and reads the variable directly
+    INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _MUL1 = tl.constexpr(MIX32_MUL1)
 _MUL2 = tl.constexpr(MIX32_MUL2)
 
