@@ -24,12 +24,14 @@ from rgc import RGCOptimizer, stochastic_round
 pytest.importorskip("triton")
 
 import rgc.kernels as K  # noqa: E402
+from tests.bf16_checks import (  # noqa: E402
+    MAX_MISMATCH,
+    assert_close_bf16,
+    bf16_ulp_distance,
+    bits16,
+)
 
 BF16_MAX_BITS = 0x7F7F0000
-# Fused update vs the float64 reference: every element within one BF16 ulp, and at most this
-# fraction of elements differing at all (a differing FP32 summation order moves a value
-# across a rounding threshold only rarely: none in 4 x 10^5 elements of these shapes).
-MAX_MISMATCH = 1e-3
 
 
 def _reload_backend():
@@ -48,31 +50,12 @@ def _interpreter():
     _reload_backend()
 
 
-def bits16(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.int16).to(torch.int32)
-
-
-def bf16_ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Number of BF16 values between a and b (0 = identical; +0 and -0 count as equal)."""
-    def key(x):
-        bits = bits16(x)
-        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
-    return (key(a) - key(b)).abs()
-
-
 def reference_update(weight, sketch, projection, coef, *, seed, offset, stochastic=True):
     """Dense float64 ``W - coef * C P^T``, rounded once to FP32, then written as W's dtype."""
     new = (weight.double() - coef * (sketch.double() @ projection.double().t())).float()
     if weight.dtype == torch.float32:
         return new
     return stochastic_round(new, seed=seed, offset=offset) if stochastic else new.bfloat16()
-
-
-def assert_close_bf16(out, ref):
-    assert not torch.isnan(out.float()).any()
-    dist = bf16_ulp_distance(out, ref)
-    assert int(dist.max()) <= 1
-    assert (dist != 0).double().mean().item() <= MAX_MISMATCH
 
 
 def problem(d, k, r, *, p_dtype=torch.bfloat16, w_dtype=torch.bfloat16, seed=0):

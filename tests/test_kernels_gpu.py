@@ -14,6 +14,7 @@ import torch.nn as nn
 import rgc
 from rgc import RGCOptimizer, stochastic_round
 from rgc.reference import lowrank_update_reference
+from tests.bf16_checks import assert_close_bf16, bits16
 
 pytest.importorskip("triton")
 if not torch.cuda.is_available():
@@ -29,25 +30,6 @@ if _triton.INTERPRETED:
                 allow_module_level=True)
 
 CUDA = torch.device("cuda")
-MAX_MISMATCH = 1e-3  # same bound as the interpreter tests
-
-
-def bits16(x):
-    return x.contiguous().view(torch.int16).to(torch.int32)
-
-
-def ulp_distance(a, b):
-    def key(x):
-        bits = bits16(x)
-        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
-    return (key(a) - key(b)).abs()
-
-
-def assert_close_bf16(out, ref):
-    assert not torch.isnan(out.float()).any()
-    dist = ulp_distance(out, ref)
-    assert int(dist.max()) <= 1
-    assert (dist != 0).double().mean().item() <= MAX_MISMATCH
 
 
 def problem(d, k, r, *, p_dtype=torch.bfloat16, w_dtype=torch.bfloat16, seed=0):
