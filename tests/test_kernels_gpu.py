@@ -1,7 +1,7 @@
-"""rgc.kernels compiled on a CUDA GPU. Skips without CUDA or Triton.
+"""rgc.kernels compiled on a CUDA GPU. Skips without CUDA or Triton, or under TRITON_INTERPRET=1.
 
-Run in a process of its own (``benchmarks/gpu_check.sh`` does): if the interpreter tests ran
-first in the same process, the kernels are loaded interpreted and these tests skip.
+(tests/test_kernels.py loads the kernels interpreted only for its own duration and compiled
+again afterwards, so both files can run in one process.)
 """
 
 import math
@@ -26,8 +26,7 @@ import rgc.kernels as K  # noqa: E402
 from rgc.kernels import _triton  # noqa: E402
 
 if _triton.INTERPRETED:
-    pytest.skip("kernels were loaded interpreted in this process; run this file on its own",
-                allow_module_level=True)
+    pytest.skip("the kernels are loaded interpreted in this process", allow_module_level=True)
 
 CUDA = torch.device("cuda")
 
