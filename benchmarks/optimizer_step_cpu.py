@@ -1,0 +1,145 @@
+"""CPU: one RGCOptimizer step (PyTorch reference path) vs one torch.optim.AdamW(foreach) step.
+
+Both optimizers update the same set of layers: the seven projections (q, k, v, o, gate, up,
+down) of Qwen3-1.7B decoder layers (hidden 2048, 16 query and 8 key/value heads of 128,
+intermediate 6144), every dimension divided by ``--scale`` to fit a small CPU. The RGC step
+includes everything ``step()`` does (||H|| from the Gram, ||W||, the chunked rebuild with
+stochastic rounding, clearing C, regenerating P); a third row times only the FP32 GEMMs of
+the rebuild (2 r flops per weight element), the floor of any CPU implementation of the step.
+AdamW gets the same BF16 weights with BF16 gradients (its state in BF16, as torch keeps it),
+and FP32 weights with FP32 gradients.
+Timings are medians over interleaved repetitions; the ratio is what to read.
+
+    python benchmarks/optimizer_step_cpu.py [--scale 4] [--layers 2] [--rank 64] [--reps 7]
+        [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from benchmarks.common import write_results  # noqa: E402
+from rgc import CompressedLinear, RGCOptimizer  # noqa: E402
+
+QWEN3_1_7B = dict(hidden=2048, q_out=16 * 128, kv_out=8 * 128, intermediate=6144)
+
+
+def layer_shapes(scale: int) -> list[tuple[str, int, int]]:
+    """(name, d, k) of one decoder layer's projections, every dimension divided by ``scale``."""
+    h, q, kv, i = (QWEN3_1_7B[n] // scale for n in ("hidden", "q_out", "kv_out", "intermediate"))
+    return [("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q),
+            ("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)]
+
+
+def build_rgc(shapes, rank: int, refresh, seed: int = 0):
+    layers = []
+    for n, (_, d, k) in enumerate(shapes):
+        layer = CompressedLinear(k, d, bias=False, rank=rank, refresh=refresh, seed=seed + n,
+                                 dtype=torch.bfloat16)
+        layer.sketch = torch.zeros(d, rank)
+        layers.append(layer)
+    sketches = [torch.randn(layer.sketch.shape, generator=torch.Generator().manual_seed(n))
+                for n, layer in enumerate(layers)]
+    opt = RGCOptimizer([layer.weight for layer in layers], lr=1e-3)
+
+    def step():
+        for layer, c in zip(layers, sketches, strict=True):
+            layer.sketch.copy_(c)
+        t = time.perf_counter()
+        opt.step()
+        return time.perf_counter() - t
+    return step
+
+
+def build_rebuild_only(shapes, rank: int, chunk_rows: int = 128):
+    """Only the FP32 GEMMs that rebuild H chunk by chunk: the floor of any CPU RGC step."""
+    mats = [(torch.randn(d, k).to(torch.bfloat16), torch.randn(d, rank),
+             torch.randn(k, rank).to(torch.bfloat16)) for _, d, k in shapes]
+
+    def step():
+        t = time.perf_counter()
+        for w, c, p in mats:
+            p_t = p.to(torch.float32).t()
+            for start in range(0, w.shape[0], chunk_rows):
+                torch.addmm(w[start:start + chunk_rows].to(torch.float32),
+                            c[start:start + chunk_rows], p_t, alpha=-1e-3)
+        return time.perf_counter() - t
+    return step
+
+
+def build_adamw(shapes, dtype: torch.dtype):
+    params = [nn.Parameter(torch.randn(d, k, dtype=dtype) * 0.02) for _, d, k in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = torch.optim.AdamW(params, lr=1e-6, foreach=True)
+    opt.step()  # create the state outside the timing
+
+    def step():
+        t = time.perf_counter()
+        opt.step()
+        return time.perf_counter() - t
+    return step
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scale", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1: stable figures on a shared machine)")
+    ap.add_argument("--out", type=Path, default=None, help="results directory")
+    args = ap.parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run(args) -> list[dict]:
+
+    shapes = layer_shapes(args.scale) * args.layers
+    numel = sum(d * k for _, d, k in shapes)
+    runs = {
+        "rgc (P refreshed every step)": build_rgc(shapes, args.rank, "every_step"),
+        "rgc (P fixed)": build_rgc(shapes, args.rank, "never"),
+        "of which: rebuild GEMMs only": build_rebuild_only(shapes, args.rank),
+        "adamw foreach, bf16 params": build_adamw(shapes, torch.bfloat16),
+        "adamw foreach, fp32 params": build_adamw(shapes, torch.float32),
+    }
+    for step in runs.values():  # warm-up
+        step()
+    times = {name: [] for name in runs}
+    for _ in range(args.reps):  # interleaved, so drifting machine load hits every method
+        for name, step in runs.items():
+            times[name].append(step())
+    base = statistics.median(times["adamw foreach, bf16 params"])
+    rows = []
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        rows.append(dict(method=name, step_ms=1e3 * med, ns_per_param=1e9 * med / numel,
+                         vs_adamw_bf16=med / base))
+    notes = (f"{args.layers} Qwen3-1.7B decoder layers' projections scaled by 1/{args.scale} "
+             f"({numel / 1e6:.1f} M weights), rank {args.rank}, {args.threads} torch thread(s), "
+             f"median of {args.reps} interleaved steps. vs_adamw_bf16 < 1 means faster than AdamW.")
+    kwargs = {} if args.out is None else dict(directory=args.out)
+    write_results("optimizer_step_cpu", rows, title="RGC step vs AdamW step (CPU)",
+                  notes=notes, **kwargs)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The int32 fast path of rgc.rounding against the hash written with Python integers."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rgc.rounding import random_bits, seed_words, stochastic_round
+
+M32 = 0xFFFFFFFF
+
+
+def mix32_int(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & M32
+    return x ^ (x >> 16)
+
+
+def bits_int(n: int, seed: int) -> int:
+    s_lo, s_hi = seed_words(seed)
+    return mix32_int(mix32_int((n & M32) ^ s_lo) ^ (((n >> 32) + s_hi) & M32))
+
+
+def round_int(x: float, n: int, seed: int) -> int:
+    """BF16 bit pattern (uint16) of one FP32 value, rounded with the bits of index n."""
+    pattern = torch.tensor([x], dtype=torch.float32).view(torch.int32).item() & M32
+    return (((pattern + (bits_int(n, seed) & 0xFFFF)) & M32) >> 16) & 0xFFFF
+
+
+@given(seed=st.integers(0, 2**64 - 1),
+       offset=st.one_of(st.integers(0, 2**20), st.integers(2**32 - 300, 2**32 + 300),
+                        st.integers(0, 2**62)),
+       n=st.integers(1, 600))
+def test_stochastic_round_matches_python_integer_hash(seed, offset, n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-38, 38, (n,), generator=g)
+    got = stochastic_round(x, seed=seed, offset=offset).view(torch.int16).tolist()
+    want = [round_int(v, offset + i, seed) for i, v in enumerate(x.tolist())]
+    assert [b & 0xFFFF for b in got] == want
+    # The int64 helper stays the documented bit source.
+    ref = random_bits(n, seed=seed, offset=offset).tolist()
+    assert ref == [bits_int(offset + i, seed) for i in range(n)]
+
+
+@pytest.mark.parametrize("nan_bits", [0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FFFFFFF])
+def test_nan_stays_nan_between_finite_values(nan_bits):
+    # A NaN sends the CPU through the torch int32 path (the one CUDA tensors take).
+    x = torch.randn(1000) * 10.0 ** torch.randint(-38, 38, (1000,))
+    x[517] = torch.tensor([nan_bits], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    offset = 2**32 - 300
+    out = stochastic_round(x, seed=4, offset=offset)
+    assert torch.isnan(out[517].float())
+    got = out.view(torch.int16).tolist()
+    for i, v in enumerate(x.tolist()):
+        if i != 517:
+            assert got[i] & 0xFFFF == round_int(v, offset + i, 4)
+
+
+def test_long_input_crossing_blocks_and_the_2_32_boundary():
+    # Longer than several CPU blocks, with offset + i crossing 2**32 inside a later block;
+    # reference: the int64 random_bits and the rounding written out in int64.
+    n = 3 * 2**15 + 123
+    offset = 2**32 - 2 * 2**15 - 7
+    x = torch.randn(n) * 100
+    bits = random_bits(n, seed=99, offset=offset)
+    pattern = x.view(torch.int32).to(torch.int64) & M32
+    want = (((pattern + (bits & 0xFFFF)) & M32) >> 16).to(torch.int32)
+    got = stochastic_round(x, seed=99, offset=offset).view(torch.int16).to(torch.int32) & 0xFFFF
+    assert torch.equal(got, want)
