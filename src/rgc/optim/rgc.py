@@ -9,10 +9,10 @@ from rgc.optim.base import (
     DenseUpdate,
     LowRankUpdate,
     SketchOptimizer,
+    apply_dense_update_,
     check_common_args,
     rounding_seed,  # noqa: F401  (public here since the first release)
 )
-from rgc.reference.update import write_rows
 
 
 def sketch_norm(sketch: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
@@ -25,6 +25,23 @@ def sketch_norm(sketch: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     return ((sketch @ gram) * sketch).sum().clamp_min(0).sqrt()
 
 
+def lowrank_normalized_coef(weight: torch.Tensor, sketch: torch.Tensor,
+                            projection: torch.Tensor, lr: float, *, chunk_rows: int = 128) -> float:
+    """``lr * ||W||_F / ||C P^T||_F``, or 0.0 when ``H = C P^T`` is zero or ``lr`` is 0."""
+    h_norm = float(sketch_norm(sketch, projection))
+    if h_norm == 0.0 or lr == 0.0:
+        return 0.0
+    return lr * float(dispatch.frobenius_norm(weight, chunk_rows=chunk_rows)) / h_norm
+
+
+def dense_normalized_coef(param: torch.Tensor, grad: torch.Tensor, lr: float) -> float:
+    """``lr * ||p|| / ||g||``, or 0.0 when ``g`` is zero or ``lr`` is 0."""
+    g_norm = float(grad.to(torch.float32).norm())
+    if g_norm == 0.0 or lr == 0.0:
+        return 0.0
+    return lr * float(param.to(torch.float32).norm()) / g_norm
+
+
 def lowrank_normalized_update_(weight: torch.Tensor, sketch: torch.Tensor,
                                projection: torch.Tensor, lr: float, *, seed: int,
                                chunk_rows: int = 128, stochastic_rounding: bool = True) -> float:
@@ -32,24 +49,19 @@ def lowrank_normalized_update_(weight: torch.Tensor, sketch: torch.Tensor,
 
     Returns the coefficient applied to ``H`` (0.0 when ``H`` is zero: nothing changes).
     """
-    h_norm = float(sketch_norm(sketch, projection))
-    if h_norm == 0.0 or lr == 0.0:
-        return 0.0
-    coef = lr * float(dispatch.frobenius_norm(weight, chunk_rows=chunk_rows)) / h_norm
-    dispatch.lowrank_update_(weight, sketch, projection, coef, seed=seed, chunk_rows=chunk_rows,
-                             stochastic_rounding=stochastic_rounding)
+    coef = lowrank_normalized_coef(weight, sketch, projection, lr, chunk_rows=chunk_rows)
+    if coef != 0.0:
+        dispatch.lowrank_update_(weight, sketch, projection, coef, seed=seed,
+                                 chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding)
     return coef
 
 
 def dense_normalized_update_(param: torch.Tensor, grad: torch.Tensor, lr: float, *, seed: int,
                              stochastic_rounding: bool = True) -> float:
     """``p <- p - lr * ||p|| * g / ||g||`` for a parameter with an ordinary gradient."""
-    g_norm = float(grad.to(torch.float32).norm())
-    if g_norm == 0.0 or lr == 0.0:
-        return 0.0
-    coef = lr * float(param.to(torch.float32).norm()) / g_norm
-    new = param.to(torch.float32) - coef * grad.to(torch.float32)
-    write_rows(param, new, seed=seed, offset=0, stochastic_rounding=stochastic_rounding)
+    coef = dense_normalized_coef(param, grad, lr)
+    if coef != 0.0:
+        apply_dense_update_(param, grad, coef, seed=seed, stochastic_rounding=stochastic_rounding)
     return coef
 
 
@@ -95,17 +107,15 @@ class RGCOptimizer(SketchOptimizer):
         super().__init__(params, defaults, step_control=step_control, keep_updates=keep_updates)
 
     def _propose_lowrank(self, p, layer, group, state, seed) -> LowRankUpdate | None:
-        sketch, lr = layer.sketch, group["lr"]
-        h_norm = float(sketch_norm(sketch, layer.projection))
-        if h_norm == 0.0 or lr == 0.0:
+        coef = lowrank_normalized_coef(p, layer.sketch, layer.projection, group["lr"],
+                                       chunk_rows=group["chunk_rows"])
+        if coef == 0.0:
             return None
-        coef = lr * float(dispatch.frobenius_norm(p, chunk_rows=group["chunk_rows"])) / h_norm
-        return LowRankUpdate(p, layer, sketch, coef, 0.0, seed, group["chunk_rows"],
+        return LowRankUpdate(p, layer, layer.sketch, coef, 0.0, seed, group["chunk_rows"],
                              group["stochastic_rounding"])
 
     def _propose_dense(self, p, group, state, seed) -> DenseUpdate | None:
-        g_norm = float(p.grad.to(torch.float32).norm())
-        if g_norm == 0.0 or group["lr"] == 0.0:
+        coef = dense_normalized_coef(p, p.grad, group["lr"])
+        if coef == 0.0:
             return None
-        coef = group["lr"] * float(p.to(torch.float32).norm()) / g_norm
         return DenseUpdate(p, p.grad, coef, 0.0, seed, group["stochastic_rounding"])
