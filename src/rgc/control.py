@@ -68,7 +68,7 @@ def _lowrank_tangent_hook(update: LowRankUpdate):
     def hook(module, args, output):
         x = fwAD.unpack_dual(args[0]).primal
         out = fwAD.unpack_dual(output).primal
-        xp = x.to(torch.float32) @ projection.to(torch.float32)  # n x r, never n x k -> d x k
+        xp = x.to(torch.float32) @ projection.to(torch.float32)  # X P: (..., r); no d x k dW
         tangent = (xp @ factor.t()).mul_(-update.coef)
         if update.decay != 0.0:
             xw = out if module.bias is None else out - fwAD.unpack_dual(module.bias).primal
