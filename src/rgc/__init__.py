@@ -1,6 +1,8 @@
 """rgc: randomized gradient compression for full-weight RL post-training of LLMs."""
 
+from rgc import distributed
 from rgc.calibrate import calibrate_lr
+from rgc.distributed import DistributedRGCOptimizer
 from rgc.nn import CompressedLinear, compressed_layers, unwrap, wrap
 from rgc.optim import RGCOptimizer
 from rgc.projection import PROJECTION_KINDS, make_projection
@@ -11,9 +13,11 @@ __version__ = "0.1.0"
 __all__ = [
     "PROJECTION_KINDS",
     "CompressedLinear",
+    "DistributedRGCOptimizer",
     "RGCOptimizer",
     "calibrate_lr",
     "compressed_layers",
+    "distributed",
     "make_projection",
     "stochastic_round",
     "unwrap",
