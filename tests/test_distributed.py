@@ -29,7 +29,7 @@ RANK = 4
 LR = 1e-2
 STEPS = 3
 BATCH = 8
-TIMEOUT_S = 120
+TIMEOUT_S = 300  # a hang guard; a run takes ~20 s on 2 idle cores
 
 
 class Net(nn.Module):
@@ -152,12 +152,20 @@ class LargestTensor(TorchDispatchMode):
 
 
 def _train_worker(rank: int, out: Path, mode: str) -> None:
+    """Train STEPS steps; for FSDP2 once without and once with resharding after forward."""
+    if mode == "dp":
+        _train(rank, out, "dp", build())
+        return
     from torch.distributed.fsdp import fully_shard
 
-    net = build()
-    if mode == "fsdp":
-        fully_shard(net.head, reshard_after_forward=False)
-        fully_shard(net, reshard_after_forward=False)
+    for name, reshard in (("fsdp", False), ("fsdp_reshard", True)):
+        net = build()
+        fully_shard(net.head, reshard_after_forward=True)
+        fully_shard(net, reshard_after_forward=reshard)
+        _train(rank, out, name, net)
+
+
+def _train(rank: int, out: Path, name: str, net: nn.Module) -> None:
     opt = DistributedRGCOptimizer(net.parameters(), lr=LR, seed=5)
     record = {"pre": [], "post": [], "bytes": [], "largest": 0}
     for step in range(STEPS):
@@ -166,7 +174,7 @@ def _train_worker(rank: int, out: Path, mode: str) -> None:
         tracker = LargestTensor()
         with tracker:
             loss.backward()
-        if mode == "dp" and step == 0:
+        if name == "dp" and step == 0:
             all_reduce_sketches(net)
             record["sketch"] = net.up_proj.sketch.clone()
             record["projection"] = net.up_proj.projection.clone()
@@ -176,9 +184,9 @@ def _train_worker(rank: int, out: Path, mode: str) -> None:
         record["bytes"].append(count.calls)
         record["largest"] = max(record["largest"], tracker.largest)
         record["post"].append(full_state(net))
-    if mode == "dp":  # DDP's constructor and backward are collective: every rank runs them
+    if name == "dp":  # DDP's constructor and backward are collective: every rank runs them
         record["ddp_bytes"] = _dense_ddp_bytes()
-    torch.save(record, out / f"{mode}{rank}.pt")
+    torch.save(record, out / f"{name}{rank}.pt")
 
 
 def _dense_ddp_bytes() -> int:
@@ -207,9 +215,10 @@ def _dense_ddp_bytes() -> int:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
     results = {}
-    for mode in ("dp", "fsdp"):
+    for mode, names in (("dp", ["dp"]), ("fsdp", ["fsdp", "fsdp_reshard"])):
         spawn(_train_worker, out / mode, mode)
-        results[mode] = [torch.load(out / mode / f"{mode}{r}.pt") for r in range(WORLD)]
+        for name in names:
+            results[name] = [torch.load(out / mode / f"{name}{r}.pt") for r in range(WORLD)]
     return results
 
 
@@ -285,12 +294,16 @@ def test_data_parallel_sketch_is_the_whole_batch_sketch(runs):
     assert err < 3e-2, float(err)
 
 
-def test_fsdp2_matches_whole_batch_single_process(runs):
-    assert_matches_single_process(runs["fsdp"])
+@pytest.mark.parametrize("name", ["fsdp", "fsdp_reshard"])
+def test_fsdp2_matches_whole_batch_single_process(runs, name):
+    """With and without reshard_after_forward (which frees the gathered weight that backward
+    then needs, and gathers it again before backward)."""
+    assert_matches_single_process(runs[name])
 
 
 def test_fsdp2_never_holds_a_dense_gradient_or_update(runs):
-    """Backward and step (reshard_after_forward=False, so FSDP gathers no weight then)."""
+    """Backward and step. With reshard_after_forward=False FSDP gathers no compressed weight in
+    backward, so any tensor of d x k elements would be a gradient or an update."""
     smallest_dense = min(37 * 24, 16 * 37)
     for record in runs["fsdp"]:
         assert record["largest"] < smallest_dense, record["largest"]
