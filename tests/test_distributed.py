@@ -390,14 +390,31 @@ def _mismatch_worker(rank: int, out: Path) -> None:
     except RuntimeError as e:
         messages.append(str(e))
     check_seeds(build())  # consistent: no error
+
+    net = build()
+    opt = DistributedRGCOptimizer(net.parameters(), lr=LR)
+    ddp = nn.parallel.DistributedDataParallel(net)
+    try:
+        all_reduce_sketches(ddp)
+    except TypeError as e:
+        messages.append(str(e))
+    x, y = batch(0)
+    (ddp(x) - y).square().mean().backward()
+    before = full_state(net)
+    try:
+        opt.step()
+    except RuntimeError as e:
+        messages.append(str(e))
+    assert all(torch.equal(v, before[k]) for k, v in full_state(net).items())
     (out / f"messages{rank}.txt").write_text("\n---\n".join(messages))
 
 
-def test_seed_mismatch_is_caught_at_start_up(tmp_path):
+def test_seed_mismatch_and_ddp_are_caught_at_start_up(tmp_path):
     spawn(_mismatch_worker, tmp_path)
     for r in range(WORLD):
         messages = (tmp_path / f"messages{r}.txt").read_text().split("\n---\n")
-        assert len(messages) == 3, messages
+        assert len(messages) == 5, messages
+        assert all("DistributedDataParallel" in m for m in messages[3:])
         assert "projection seeds" in messages[0] and "rounding seeds" not in messages[0]
         assert "rounding seeds" in messages[1] and "projection seeds" not in messages[1]
         assert "projection seeds" in messages[2]
