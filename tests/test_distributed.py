@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from alloc import RecordAllocations
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import rgc
 from rgc.distributed import DistributedRGCOptimizer, all_reduce_sketches, check_seeds
@@ -132,22 +133,6 @@ class CountCollectives:
             setattr(dist, name, original)
 
 
-class LargestTensor(TorchDispatchMode):
-    """Largest number of elements of any tensor an op returns (local shards for DTensors)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                local = t._local_tensor if hasattr(t, "_local_tensor") else t
-                self.largest = max(self.largest, local.numel())
-        return out
-
-
 # ---------------------------------------------------------------- workers
 
 
@@ -171,7 +156,7 @@ def _train(rank: int, out: Path, name: str, net: nn.Module) -> None:
     for step in range(STEPS):
         record["pre"].append(full_state(net))
         loss = loss_on(net, step, rank, WORLD)
-        tracker = LargestTensor()
+        tracker = RecordAllocations()
         with tracker:
             loss.backward()
         if name == "dp" and step == 0:
@@ -182,7 +167,7 @@ def _train(rank: int, out: Path, name: str, net: nn.Module) -> None:
             opt.step()
         opt.zero_grad()
         record["bytes"].append(count.calls)
-        record["largest"] = max(record["largest"], tracker.largest)
+        record["largest"] = max(record["largest"], tracker.largest())
         record["post"].append(full_state(net))
     if name == "dp":  # DDP's constructor and backward are collective: every rank runs them
         record["ddp_bytes"] = _dense_ddp_bytes()
@@ -447,21 +432,22 @@ def test_bad_arguments():
         all_reduce_sketches(object())
 
 
-def test_load_state_dict_keeps_integer_state_and_resumes_identically():
-    """torch.optim casts state to the parameter dtype; the int64 layer seed must survive."""
-    a = build()
-    opt_a = rgc.RGCOptimizer(a.parameters(), lr=LR, seed=5)
-    loss_on(a, 0).backward()
-    opt_a.step()
-    opt_a.zero_grad()
-    b = build(init_seed=1, wrap_seed=9)
-    b.load_state_dict(a.state_dict())
-    opt_b = rgc.RGCOptimizer(b.parameters(), lr=LR, seed=5)
-    opt_b.load_state_dict(opt_a.state_dict())
-    assert opt_b.state[b.up_proj.weight]["layer_seed"].dtype == torch.int64
-    assert b.up_proj.seed == a.up_proj.seed
-    for net, opt in ((a, opt_a), (b, opt_b)):
-        loss_on(net, 1).backward()
-        opt.step()
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
-                                                  b.state_dict().values(), strict=True))
+
+@settings(max_examples=10)
+@given(d=st.integers(1, 40), k=st.integers(1, 24), r=st.integers(1, 6),
+       world=st.integers(2, 5), seed=st.integers(0, 2**40))
+def test_row_shards_updated_with_their_offset_equal_the_unsharded_update(d, k, r, world, seed):
+    """What FSDP2 ranks do (torch.chunk row shards, offset first_row * k) is bit-identical."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(d, k, generator=gen).bfloat16()
+    sketch = torch.randn(d, r, generator=gen)
+    projection = torch.randn(k, r, generator=gen)
+    whole, pieces = weight.clone(), weight.clone()
+    rgc.dispatch.lowrank_update_(whole, sketch, projection, 0.3, seed=seed)
+    chunk = -(-d // world)
+    for start in range(0, d, chunk):
+        rows = slice(start, start + chunk)
+        rgc.dispatch.lowrank_update_(pieces[rows], sketch[rows], projection, 0.3, seed=seed,
+                                     offset=start * k)
+    assert torch.equal(whole, pieces)
+    assert not torch.equal(whole, weight)

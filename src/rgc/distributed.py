@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.optim import Optimizer
 
 from rgc import dispatch
@@ -96,8 +97,7 @@ def _fingerprint(obj) -> list[int]:
         layer.rank, layer.projection_kind, str(layer.refresh))])
     rounding = 0
     if isinstance(obj, Optimizer):
-        steps = [int(obj.state[p]["step"]) if "step" in obj.state.get(p, {}) else 0
-                 for p in params]
+        steps = [int(obj.state[p].get("step", 0)) if p in obj.state else 0 for p in params]
         rounding = derive_seed(len(obj.param_groups),
                                *[int(g.get("seed", 0)) for g in obj.param_groups], *steps)
     return [shapes, seeds, versions, config, rounding]
@@ -195,10 +195,11 @@ def _all_reduce_mean(slots: list[_Slot], group, bucket_bytes: int) -> int:
             offset += slot.numel
         dist.all_reduce(flat, group=group)
         sent += flat.numel() * flat.element_size()
+        present = flat[:n].ne(0).tolist()
         offset = n
-        for j, slot in enumerate(bucket):
+        for slot, here in zip(bucket, present, strict=True):
             value = flat[offset:offset + slot.numel].view(slot.shape).div_(world)
-            _store(slot, value if bool(flat[j] != 0) else None)
+            _store(slot, value if here else None)
             offset += slot.numel
     return sent
 
@@ -309,19 +310,18 @@ def _reduce_scatter_rows(items: list[tuple[DTensor, CompressedLinear]], group,
             d, r = slot.shape
             if slot.tensor is not None:
                 inp[:, j] = 1
-                block = inp[:, offset:offset + chunk * r].view(world, chunk, r)
-                for i in range(world):
-                    lo, hi = min(i * chunk, d), min((i + 1) * chunk, d)
-                    block[i, :hi - lo] = slot.tensor[lo:hi]
+                padded = F.pad(slot.tensor, (0, 0, 0, world * chunk - d))
+                inp[:, offset:offset + chunk * r] = padded.view(world, chunk * r)
             offset += chunk * r
         out = torch.empty(width, dtype=torch.float32, device=inp.device)
         reduce_scatter(out, inp.view(-1), group=group)
         sent += inp.numel() * inp.element_size()
+        present = out[:n].ne(0).tolist()
         offset = n
-        for j, (slot, chunk) in enumerate(zip(bucket, chunks, strict=True)):
+        for slot, chunk, here in zip(bucket, chunks, present, strict=True):
             d, r = slot.shape
             rows = max(0, min(chunk, d - rank * chunk))
-            if bool(out[j] != 0):
+            if here:
                 local[id(owner[id(slot)])] = out[offset:offset + rows * r].view(rows, r) / world
             offset += chunk * r
     return local, sent
@@ -443,16 +443,18 @@ class DistributedRGCOptimizer(RGCOptimizer):
         totals = torch.stack(sums)
         dist.all_reduce(totals, group=self._mesh_group)
         self.last_comm_bytes += totals.numel() * totals.element_size()
-        for (index, p, group, layer, local_value, start), (w2, h2, bad) in zip(
-                work, totals.unbind(0), strict=True):
+        # FP32 square roots, as RGCOptimizer takes them; one device-to-host copy for all.
+        norms = torch.cat([totals[:, :2].sqrt(), totals[:, 2:]], dim=1).tolist()
+        for (index, p, group, layer, local_value, start), (w_norm, h_norm, bad) in zip(
+                work, norms, strict=True):
             state = self._init_state(p, layer)
             state["step"] += 1
             seed = rounding_seed(group["seed"], index, int(state["step"]))
             w_local = p.to_local()
-            if bool(bad != 0):
+            if bad != 0:
                 self._skip(state, "sketch" if layer is not None else "gradient")
-            elif float(h2) > 0.0 and group["lr"] != 0.0:
-                coef = group["lr"] * float(w2.sqrt()) / float(h2.sqrt())
+            elif h_norm > 0.0 and group["lr"] != 0.0:
+                coef = group["lr"] * w_norm / h_norm
                 row_len = w_local[0].numel() if w_local.dim() > 1 else 1
                 if layer is not None:
                     if w_local.shape[0]:
@@ -470,4 +472,4 @@ class DistributedRGCOptimizer(RGCOptimizer):
                 step = int(state["step"])
                 if refresh == "every_step" or (isinstance(refresh, int) and step % refresh == 0):
                     layer.set_projection_version(layer.projection_version + 1)
-                state["projection_version"].fill_(layer.projection_version)
+                state["projection_version"] = layer.projection_version

@@ -182,17 +182,7 @@ class RGCOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load state and put every compressed layer back on its saved projection."""
-        # torch.optim casts every state tensor but 'step' to its parameter's dtype, which would
-        # turn the int64 layer seed into BF16; keep integer state exactly as saved.
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        integers = {i: {k: v.clone() for k, v in s.items()
-                        if torch.is_tensor(v) and not v.is_floating_point()}
-                    for i, s in state_dict["state"].items()}
         super().load_state_dict(state_dict)
-        params = [p for g in self.param_groups for p in g["params"]]
-        for saved, p in zip(saved_ids, params, strict=True):
-            if p in self.state:
-                self.state[p].update(integers.get(saved, {}))
         for group in self.param_groups:
             for p in group["params"]:
                 layer = compressed_layer_of(p)
