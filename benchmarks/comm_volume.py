@@ -15,11 +15,23 @@ the payload on each rank's link, a reduce-scatter (N-1)/N: also the same for bot
 this script applies the same formula to the published model shapes.
 
     python benchmarks/comm_volume.py      # writes benchmarks/results/comm_volume.{csv,md,json}
+    python benchmarks/comm_volume.py --measure   # also counts one real decoder layer's bytes
+
+``--measure`` starts 2 CPU processes (gloo) holding one decoder layer's projections at the real
+shapes, and counts the bytes handed to the collectives per step: ``all_reduce`` calls made by
+``rgc.distributed.all_reduce_sketches`` (the data-parallel step of ``DistributedRGCOptimizer``),
+and the buckets of a DDP comm hook for the same layer uncompressed (about 3 GiB of RAM for the
+8B layer). Results go to ``comm_volume_measured.*``.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import tempfile
 from dataclasses import dataclass
+
+import torch
 
 from benchmarks.common import write_results
 
@@ -93,5 +105,101 @@ def main() -> None:
                   notes=notes)
 
 
+class _Projections(torch.nn.Module):
+    """One decoder layer's projections; forward: a loss from one input per projection."""
+
+    def __init__(self, shape: Shape):
+        super().__init__()
+        for name, d, k in shape.projections():
+            setattr(self, name, torch.nn.Linear(k, d, bias=False, dtype=torch.bfloat16))
+
+    def forward(self, inputs: dict) -> torch.Tensor:
+        return sum(getattr(self, n)(x).float().square().mean() for n, x in inputs.items())
+
+
+def _measure_worker(rank: int, store: str, results: dict) -> None:
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import rgc
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    sent: list[int] = []
+    original = dist.all_reduce
+
+    def counted(tensor, *args, **kwargs):
+        sent.append(tensor.numel() * tensor.element_size())
+        return original(tensor, *args, **kwargs)
+
+    for shape in MODELS:
+        layer = _Projections(shape)
+        inputs = {name: torch.randn(2, k, dtype=torch.bfloat16)
+                  for name, _, k in shape.projections()}
+
+        ddp = nn.parallel.DistributedDataParallel(layer)
+        dense: list[int] = []
+
+        def hook(state, bucket, dense=dense):
+            dense.append(bucket.buffer().numel() * bucket.buffer().element_size())
+            return default_hooks.allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(dist.group.WORLD, hook)
+        ddp(inputs).backward()
+        del ddp
+        for p in layer.parameters():
+            p.grad = None
+        row = {"dense DDP, BF16 grads": (sum(dense), len(dense))}
+        for r in RANKS:
+            rgc.wrap(layer, r, targets=lambda name, m: isinstance(m, nn.Linear))
+            layer(inputs).backward()
+            sent.clear()
+            dist.all_reduce = counted
+            try:
+                rgc.distributed.all_reduce_sketches(layer)
+            finally:
+                dist.all_reduce = original
+            row[f"rgc r={r}"] = (sum(sent), len(sent))
+            rgc.unwrap(layer)
+        if rank == 0:
+            results[shape.name] = row
+        del layer
+    dist.destroy_process_group()
+
+
+def measure() -> None:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        manager = mp.Manager()
+        results = manager.dict()
+        mp.spawn(_measure_worker, args=(os.path.join(tmp, "store"), results), nprocs=2)
+        results = dict(results)
+    rows = []
+    for shape in MODELS:
+        one_layer = Shape(shape.name, shape.hidden, 1, shape.q_heads, shape.kv_heads,
+                          shape.head_dim, shape.intermediate)
+        dense = results[shape.name]["dense DDP, BF16 grads"][0]
+        for method, (measured, calls) in results[shape.name].items():
+            formula = (dense_bytes(one_layer, 2) if method.startswith("dense")
+                       else rgc_bytes(one_layer, int(method.split("=")[1])))
+            rows.append({"model": shape.name, "method": method, "collective_calls": calls,
+                         "measured_bytes": measured, "formula_bytes": formula,
+                         "dense_over_this": round(dense / measured, 2)})
+    write_results("comm_volume_measured", rows,
+                  title="Gradient bytes per step of one decoder layer, counted on 2 gloo ranks",
+                  notes="One decoder layer's seven projections at the real shapes (BF16). "
+                        "measured_bytes: sum of the tensors handed to all_reduce by "
+                        "rgc.distributed.all_reduce_sketches, or of the buckets DDP's comm "
+                        "hook receives; formula_bytes: the formula of comm_volume.md for one "
+                        "layer. collective_calls: number of all-reduces (buckets).")
+
+
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="gradient communication per step")
+    parser.add_argument("--measure", action="store_true",
+                        help="also count the bytes of one decoder layer on 2 gloo processes")
+    if parser.parse_args().measure:
+        measure()
     main()
