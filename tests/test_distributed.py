@@ -16,12 +16,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from alloc import RecordAllocations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rgc
 from rgc.distributed import DistributedRGCOptimizer, all_reduce_sketches, check_seeds
+from tests.alloc import RecordAllocations
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 

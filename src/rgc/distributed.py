@@ -149,7 +149,8 @@ class _Slot:
 
 
 def _buckets(slots: list[_Slot], bucket_bytes: int) -> list[list[_Slot]]:
-    """Consecutive runs of slots with one dtype and device, each at most ``bucket_bytes``."""
+    """The slots grouped by (dtype, device), in order, cut into runs of at most ``bucket_bytes``
+    (a single larger slot gets a bucket of its own)."""
     by_kind: dict[tuple, list[_Slot]] = {}
     for slot in slots:
         by_kind.setdefault((slot.dtype, slot.device), []).append(slot)
@@ -168,7 +169,8 @@ def _buckets(slots: list[_Slot], bucket_bytes: int) -> list[list[_Slot]]:
 
 
 def _store(slot: _Slot, value: torch.Tensor | None) -> None:
-    if value is None or slot.tensor is None or slot.tensor.shape != value.shape:
+    """Write the reduced value back, into the existing tensor when there is one."""
+    if value is None or slot.tensor is None:
         slot.assign(None if value is None else value.clone())
     else:
         slot.tensor.copy_(value)
