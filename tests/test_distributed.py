@@ -451,3 +451,22 @@ def test_row_shards_updated_with_their_offset_equal_the_unsharded_update(d, k, r
                                      offset=start * k)
     assert torch.equal(whole, pieces)
     assert not torch.equal(whole, weight)
+
+
+def test_example_runs_under_torchrun(tmp_path):
+    """examples/distributed.py with FSDP2 and a DCP checkpoint, as documented (2 steps)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         str(root / "examples" / "distributed.py"), "--fsdp", "--steps", "2",
+         "--checkpoint", str(tmp_path / "ckpt")],
+        capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "weights agree across ranks: True" in result.stdout
+    assert (tmp_path / "ckpt" / ".metadata").exists()
