@@ -1,7 +1,9 @@
 """rgc: randomized gradient compression for full-weight RL post-training of LLMs."""
 
+from rgc import distributed
 from rgc.calibrate import calibrate_lr
 from rgc.control import PredictedKL
+from rgc.distributed import DistributedRGCOptimizer
 from rgc.nn import CompressedLinear, compressed_layers, unwrap, wrap
 from rgc.optim import RGCOptimizer, RowAdam
 from rgc.projection import PROJECTION_KINDS, make_projection
@@ -13,12 +15,14 @@ __version__ = "0.1.0"
 __all__ = [
     "PROJECTION_KINDS",
     "CompressedLinear",
+    "DistributedRGCOptimizer",
     "PredictedKL",
     "RGCOptimizer",
     "RowAdam",
     "apply_update",
     "calibrate_lr",
     "compressed_layers",
+    "distributed",
     "make_projection",
     "stochastic_round",
     "unwrap",

@@ -143,6 +143,14 @@ class CompressedLinear(nn.Linear):
             return SketchedLinearFunction.apply(x, self.weight, self.bias, self)
         return F.linear(x, self.weight, self.bias)
 
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        # Wrappers that swap the Parameter object itself (FSDP2's fully_shard installs a sharded
+        # DTensor and swaps the gathered weight in and out around forward) must keep
+        # compressed_layer_of(param) working for whatever Parameter the optimizer was given.
+        if name == "weight" and isinstance(value, torch.Tensor):
+            _register_owner(value, self)
+
     def __setstate__(self, state):
         super().__setstate__(state)
         _register_owner(self.weight, self)

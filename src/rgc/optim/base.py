@@ -219,25 +219,9 @@ class SketchOptimizer(Optimizer):
                 index += 1
                 layer = compressed_layer_of(p)
                 if layer is not None and layer.sketch is not None:
-                    state = self._init_state(p, layer)
-                    state["step"] += 1
-                    seed = rounding_seed(group["seed"], index - 1, state["step"])
-                    update = None
-                    if bool(torch.isfinite(layer.sketch).all()):
-                        update = self._propose_lowrank(p, layer, group, state, seed)
-                    else:
-                        self._skip(state, "sketch")
-                    item = (update, (p, layer, state))
+                    item = self._gather_compressed(p, layer, group, index - 1)
                 elif p.grad is not None:
-                    state = self._init_state(p, None)
-                    state["step"] += 1
-                    seed = rounding_seed(group["seed"], index - 1, state["step"])
-                    update = None
-                    if bool(torch.isfinite(p.grad).all()):
-                        update = self._propose_dense(p, group, state, seed)
-                    else:
-                        self._skip(state, "gradient")
-                    item = (update, None)
+                    item = self._gather_dense(p, group, index - 1)
                 else:
                     continue
                 if control is None:  # stream: nothing proposed is held longer than needed
@@ -254,6 +238,37 @@ class SketchOptimizer(Optimizer):
         self.steps_taken += 1
         self.last_updates = records
         return loss
+
+    def _gather_compressed(self, p, layer: CompressedLinear, group: dict, index: int):
+        """Count the step and propose (``None`` for a non-finite sketch, counted as skipped)."""
+        state = self._init_state(p, layer)
+        state["step"] += 1
+        update = None
+        if bool(torch.isfinite(layer.sketch).all()):
+            seed = rounding_seed(group["seed"], index, state["step"])
+            update = self._propose_lowrank(p, layer, group, state, seed)
+        else:
+            self._skip(state, "sketch")
+        return update, (p, layer, state)
+
+    def _gather_dense(self, p, group: dict, index: int):
+        state = self._init_state(p, None)
+        state["step"] += 1
+        update = None
+        if bool(torch.isfinite(p.grad).all()):
+            update = self._propose_dense(p, group, state,
+                                         rounding_seed(group["seed"], index, state["step"]))
+        else:
+            self._skip(state, "gradient")
+        return update, None
+
+    def _step_compressed(self, p, layer: CompressedLinear, group: dict, index: int) -> None:
+        """The whole update of one compressed weight, without step control or records."""
+        self._commit(self._gather_compressed(p, layer, group, index), 1.0, None)
+
+    def _step_dense(self, p, group: dict, index: int) -> None:
+        """The whole update of one parameter with a dense gradient (no control, no records)."""
+        self._commit(self._gather_dense(p, group, index), 1.0, None)
 
     def _commit(self, item, alpha: float, records) -> None:
         update, finish = item
