@@ -120,6 +120,10 @@ def main() -> None:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=args.checkpoint)
         if rank == 0:
             print("saved", args.checkpoint)
+    # Let every rank finish its collectives before the group is torn down: gloo can abort a
+    # process ("terminate called without an active exception") that exits while a peer's
+    # last operation is still in flight.
+    dist.barrier()
     dist.destroy_process_group()
 
 

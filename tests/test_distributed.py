@@ -81,6 +81,7 @@ def _entry(fn, rank, out_dir, args):
         dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank,
                                 world_size=WORLD)
         fn(rank, Path(out_dir), *args)
+        dist.barrier()  # no rank tears gloo down while a peer's last collective is in flight
         dist.destroy_process_group()
     except BaseException:
         (Path(out_dir) / f"error{rank}.txt").write_text(traceback.format_exc())

@@ -360,7 +360,8 @@ class DistributedRGCOptimizer(RGCOptimizer):
     Construction runs :func:`check_seeds` (one all-gather of a few int64) on the optimizer.
 
     Args:
-        params, lr, chunk_rows, stochastic_rounding, seed: as :class:`rgc.RGCOptimizer`.
+        params, lr, chunk_rows, stochastic_rounding, seed: as :class:`rgc.RGCOptimizer`
+            (``step_control`` and ``keep_updates`` are not supported here and raise).
         group: process group for the plain-tensor parameters (default: the whole world); the
             sharded ones use their device mesh's group.
         bucket_mb: largest bucket of one collective, in MiB.
@@ -370,6 +371,11 @@ class DistributedRGCOptimizer(RGCOptimizer):
 
     def __init__(self, params, lr: float, *, group=None, bucket_mb: float = DEFAULT_BUCKET_MB,
                  **kwargs):
+        for unsupported in ("step_control", "keep_updates"):
+            if kwargs.get(unsupported):
+                raise NotImplementedError(
+                    f"DistributedRGCOptimizer does not support {unsupported}= yet; use "
+                    "all_reduce_sketches() with a single-process rgc optimizer instead")
         super().__init__(params, lr, **kwargs)
         if not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
@@ -469,9 +475,4 @@ class DistributedRGCOptimizer(RGCOptimizer):
                     write_rows(w_local, new, seed=seed, offset=start * row_len,
                                stochastic_rounding=group["stochastic_rounding"])
             if layer is not None:
-                layer.zero_sketch(set_to_none=False)
-                refresh = layer.refresh
-                step = int(state["step"])
-                if refresh == "every_step" or (isinstance(refresh, int) and step % refresh == 0):
-                    layer.set_projection_version(layer.projection_version + 1)
-                state["projection_version"] = layer.projection_version
+                self._finish_layer(p, layer, state)
