@@ -40,8 +40,8 @@ class Preset:
     warm: WarmStart
     grpo: GRPOSettings
     n_train: int = 20000
-    n_dev: int = 256
-    n_test: int = 1000
+    n_dev: int = 1000
+    n_test: int = 2000
     rank: int = 16
     adamw_lr: float = 1e-4
     lora_lr: float = 1e-3
@@ -57,7 +57,7 @@ PRESETS = {
                     grpo=GRPOSettings(steps=3, prompts_per_step=4, group_size=4, eval_every=3,
                                       memory_steps=1)),
     "default": Preset(model=ModelConfig(), warm=WarmStart(), grpo=GRPOSettings()),
-    "full": Preset(model=ModelConfig(), warm=WarmStart(), grpo=GRPOSettings(steps=150),
+    "full": Preset(model=ModelConfig(), warm=WarmStart(), grpo=GRPOSettings(steps=400),
                    seeds=(0, 1), candidates={"adamw": (1.0, 3.0), "lora": (1.0, 3.0),
                                              "rgc": (1.0, 3.0), "rowadam": (1.0, 3.0)}),
 }

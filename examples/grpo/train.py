@@ -18,12 +18,12 @@ from rgc.seeding import derive_seed
 
 @dataclass(frozen=True)
 class GRPOSettings:
-    steps: int = 60
+    steps: int = 300
     prompts_per_step: int = 8
     group_size: int = 8
     temperature: float = 1.0
     kl_coef: float = 0.0
-    eval_every: int = 10
+    eval_every: int = 25
     memory_steps: int = 2  # the first steps run under the memory tracker (and are not timed)
 
 
