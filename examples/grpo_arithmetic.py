@@ -53,7 +53,8 @@ class Preset:
 
 PRESETS = {
     "quick": Preset(model=ModelConfig(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128),
-                    warm=WarmStart(max_steps=100), n_train=5000, n_dev=64, n_test=500, rank=8,
+                    warm=WarmStart(max_steps=40, check_every=20), n_train=5000, n_dev=64,
+                    n_test=500, rank=8,
                     grpo=GRPOSettings(steps=3, prompts_per_step=4, group_size=4, eval_every=3,
                                       memory_steps=1)),
     "default": Preset(model=ModelConfig(), warm=WarmStart(), grpo=GRPOSettings()),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 
@@ -26,11 +27,13 @@ def paired_difference(before: torch.Tensor, after: torch.Tensor, *, seed: int,
     """
     if before.shape != after.shape:
         raise ValueError(f"paired vectors differ in shape: {before.shape} vs {after.shape}")
-    diff = (after.double() - before.double())
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(diff.numel(), (resamples, diff.numel()), generator=gen)
-    means = diff[idx].mean(1)
-    lo, hi = torch.quantile(means, torch.tensor([(1 - level) / 2, (1 + level) / 2],
-                                                dtype=torch.float64)).tolist()
-    return {"diff_points": 100 * float(diff.mean()), "ci_low": 100 * lo, "ci_high": 100 * hi,
-            "mcnemar_p": mcnemar_p(before, after), "n": int(diff.numel())}
+    diff = (after.double() - before.double()).numpy()
+    n = diff.size
+    # Resampling questions with replacement only redraws how many pairs are -1, 0 and +1,
+    # so the bootstrap draws those three counts from one multinomial.
+    probs = [(diff < 0).mean(), (diff == 0).mean(), (diff > 0).mean()]
+    counts = np.random.default_rng(seed).multinomial(n, probs, size=resamples)
+    means = (counts[:, 2] - counts[:, 0]) / n
+    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return {"diff_points": 100 * float(diff.mean()), "ci_low": 100 * float(lo),
+            "ci_high": 100 * float(hi), "mcnemar_p": mcnemar_p(before, after), "n": int(n)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -51,11 +52,8 @@ def run_grpo(method, train_qs, dev_qs, settings: GRPOSettings, *, seed: int, bas
         measured = step <= settings.memory_steps
         held = method.held_tensors() + ([] if reference is None else
                                         list(reference.parameters()))
-        tracker = track(held) if measured else None
-        t0 = time.perf_counter()
-        if tracker is not None:
-            tracker.__enter__()
-        try:
+        with track(held) if measured else contextlib.nullcontext() as tracker:
+            t0 = time.perf_counter()
             prompts = prompt_ids(questions)
             sampler = torch.Generator().manual_seed(derive_seed(seed, "rollout", step))
             policy.eval()
@@ -68,9 +66,9 @@ def run_grpo(method, train_qs, dev_qs, settings: GRPOSettings, *, seed: int, bas
             if settings.kl_coef > 0:
                 with torch.no_grad():
                     ref_lp = answer_logprobs(reference, prompts, responses)
-            if tracker is not None:
-                rollout_peak = tracker.peak
-                tracker.reset_peak()
+            if measured:
+                loop_peak = max(loop_peak, tracker.peak)
+                tracker.reset_peak()  # the training phase's own peak from here
             t1 = time.perf_counter()
             policy.train()
             logprobs = answer_logprobs(policy, prompts, responses)
@@ -80,12 +78,9 @@ def run_grpo(method, train_qs, dev_qs, settings: GRPOSettings, *, seed: int, bas
             del logprobs, loss
             info.update(method.step(torch.cat([prompts, responses], dim=1)))
             t2 = time.perf_counter()
-        finally:
-            if tracker is not None:
-                tracker.__exit__(None, None, None)
-        if tracker is not None:
+        if measured:
             train_peak = max(train_peak, tracker.peak)
-            loop_peak = max(loop_peak, rollout_peak, tracker.peak)
+            loop_peak = max(loop_peak, tracker.peak)
         else:
             step_times.append(t2 - t0)
             train_times.append(t2 - t1)
