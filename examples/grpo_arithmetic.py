@@ -105,11 +105,48 @@ def run_seed(preset: Preset, seed: int, cache_dir: Path, progress: bool) -> dict
     for kind, (result, method) in chosen.items():
         after[kind] = accuracy(method.policy, test)
         stat = paired_difference(base_test, after[kind], seed=seed)
-        methods[kind] = {**result, "test_after": float(after[kind].mean()), "vs_base": stat}
+        methods[kind] = {**result, "test_after": float(after[kind].mean()), "vs_base": stat,
+                         "test_correct": _bits(after[kind])}
     if "rgc" in after and "adamw" in after:
         methods["rgc"]["vs_adamw"] = paired_difference(after["adamw"], after["rgc"], seed=seed)
     return {"seed": seed, "base": {"dev": base_dev, "test": float(base_test.mean()),
-                                   "cache": base_path.name}, "runs": runs, "methods": methods}
+                                   "test_correct": _bits(base_test), "cache": base_path.name},
+            "runs": runs, "methods": methods}
+
+
+def _bits(correct: torch.Tensor) -> str:
+    """Per-question 0/1 correctness as a string, kept in the JSON for re-analysis."""
+    return "".join(str(int(c)) for c in correct.tolist())
+
+
+def _unbits(bits: str) -> torch.Tensor:
+    return torch.tensor([float(c) for c in bits])
+
+
+def summary_notes(results: list[dict]) -> list[str]:
+    """RGC - AdamW per seed and, over several seeds, pooled over all test questions."""
+    notes = []
+    pairs = []
+    for res in results:
+        m = res["methods"]
+        if "rgc" in m and "adamw" in m:
+            pairs.append((_unbits(m["adamw"]["test_correct"]), _unbits(m["rgc"]["test_correct"])))
+            notes.append(f"seed {res['seed']}: " + _diff_text(m["rgc"]["vs_adamw"]))
+    if len(pairs) > 1:
+        adamw, rgc_ = (torch.cat(x) for x in zip(*pairs, strict=True))
+        notes.append(f"pooled over {len(pairs)} seeds: "
+                     + _diff_text(paired_difference(adamw, rgc_, seed=0)))
+        for kind in results[0]["methods"]:
+            accs = [100 * r["methods"][kind]["test_after"] for r in results]
+            base = [100 * r["base"]["test"] for r in results]
+            notes.append(f"{kind}: mean test accuracy {sum(accs) / len(accs):.1f}% "
+                         f"(base {sum(base) / len(base):.1f}%)")
+    return notes
+
+
+def _diff_text(s: dict) -> str:
+    return (f"RGC - AdamW test accuracy {s['diff_points']:+.1f} pts "
+            f"[{s['ci_low']:+.1f}, {s['ci_high']:+.1f}], McNemar p {s['mcnemar_p']:.2g}")
 
 
 def table_rows(results: list[dict]) -> list[dict]:
@@ -184,12 +221,7 @@ def main(argv=None) -> Path:
     env = environment()
     notes = [f"preset `{name}`, seeds {list(seeds)}; methods run: "
              f"{', '.join(k for k in preset.candidates if k in METHODS)}"]
-    for res in results:
-        vs = res["methods"].get("rgc", {}).get("vs_adamw")
-        if vs:
-            notes.append(f"seed {res['seed']}: RGC - AdamW test accuracy {vs['diff_points']:+.1f}"
-                         f" pts [{vs['ci_low']:+.1f}, {vs['ci_high']:+.1f}], "
-                         f"McNemar p {vs['mcnemar_p']:.2g}")
+    notes += summary_notes(results)
     env_lines = "\n".join(f"- {k}: {v}" for k, v in env.items())
     (out / "results.md").write_text(
         f"# GRPO on arithmetic ({name})\n\n{table}\n\n" + "\n".join(f"- {n}" for n in notes)

@@ -30,6 +30,7 @@ def test_quick_run_writes_table_plot_and_json(tmp_path):
     assert {"adamw", "lora", "rgc"} <= set(methods)
     for m in methods.values():
         assert 0.0 <= m["test_after"] <= 1.0
+        assert m["test_correct"].count("1") == round(500 * m["test_after"])
         assert m["train_peak_bytes"] > 0 and m["loop_peak_bytes"] >= m["train_peak_bytes"]
         assert m["extra_state_bytes"] > 0
         assert len(m["dev_curve"]) >= 2
