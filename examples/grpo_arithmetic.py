@@ -179,10 +179,14 @@ def plot(results: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.2), squeeze=False)
     for ax, res in zip(axes[0], results, strict=True):
         chosen = {m["label"] for m in res["methods"].values()}
+        colors = {}
         for run in res["runs"]:
+            color = colors.setdefault(run["kind"], f"C{len(colors)}")
             steps, acc = zip(*run["dev_curve"], strict=True)
-            ax.plot(steps, [100 * a for a in acc], marker="o", ms=3,
-                    ls="-" if run["label"] in chosen else ":", label=run["label"])
+            kept = run["label"] in chosen
+            ax.plot(steps, [100 * a for a in acc], marker="o" if kept else ".", ms=3,
+                    color=color, ls="-" if kept else ":", alpha=1.0 if kept else 0.6,
+                    label=run["label"] + ("" if kept else " (not kept)"))
         ax.axhline(100 * res["base"]["dev"], color="grey", lw=0.8, label="base")
         ax.set(xlabel="GRPO step", ylabel="dev accuracy (%)", title=f"seed {res['seed']}")
         ax.legend(fontsize=7)
