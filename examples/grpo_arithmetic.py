@@ -1,6 +1,6 @@
 """GRPO on signed 3-digit arithmetic: RGC vs dense AdamW vs peft LoRA (vs RowAdam), on CPU.
 
-    PYTHONPATH=src python examples/grpo_arithmetic.py            # about 10 minutes, 2 cores
+    PYTHONPATH=src python examples/grpo_arithmetic.py            # about 5 minutes, 2 cores
     PYTHONPATH=src python examples/grpo_arithmetic.py --quick    # under a minute (smoke run)
     PYTHONPATH=src python examples/grpo_arithmetic.py --full     # longer, two seeds
 
