@@ -1,0 +1,184 @@
+"""The training methods compared, each a small adapter over one policy model.
+
+A method builds its policy from the base weights, says which tensors it holds between steps
+(for the memory baseline), and turns the gradients (or sketches) of one backward pass into
+an update. Rollouts, loss and evaluation are the same code for all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from grpo.memory import storage_bytes
+from grpo.model import ModelConfig
+
+import rgc
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class Method:
+    """Base: a BF16 policy loaded from the base weights; subclasses add the optimizer."""
+
+    kind = ""
+
+    def __init__(self, base_state: dict, model_config: ModelConfig, *, lr: float, rank: int,
+                 seed: int, steps: int):
+        self.lr, self.rank, self.seed, self.steps = lr, rank, seed, steps
+        self.policy = model_config.build(seed)
+        self.policy.load_state_dict(base_state)
+        self.base_bytes = storage_bytes([*self.policy.parameters(), *self.policy.buffers()])
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} lr={self.lr:.3g}"
+
+    def step(self, tokens: torch.Tensor) -> dict:
+        """Apply the update from the last backward and clear it. tokens: the step's (n, L)."""
+        raise NotImplementedError
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        """Tensors held between steps besides the policy's parameters and buffers."""
+        return iter(())
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return [*self.policy.parameters(), *self.policy.buffers(), *self.state_tensors()]
+
+    def trainable_params(self) -> int:
+        return sum(p.numel() for p in self.policy.parameters() if p.requires_grad)
+
+    def extra_state_bytes(self) -> int:
+        """Bytes held between steps beyond the base policy's BF16 weights and buffers."""
+        return storage_bytes(self.held_tensors()) - self.base_bytes
+
+
+class DenseAdamW(Method):
+    """Every parameter trained by torch AdamW on an FP32 master copy; BF16 working weights.
+
+    After backward (BF16 gradients) the gradients are copied to the FP32 masters, AdamW
+    updates them, and the BF16 policy weights are overwritten by the rounded masters.
+    """
+
+    kind = "adamw"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.params = list(self.policy.parameters())
+        self.master = [torch.nn.Parameter(p.detach().float()) for p in self.params]
+        self.opt = torch.optim.AdamW(self.master, lr=self.lr, weight_decay=0.0)
+
+    @torch.no_grad()
+    def step(self, tokens):
+        for p, m in zip(self.params, self.master, strict=True):
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        for p, m in zip(self.params, self.master, strict=True):
+            p.copy_(m)
+        return {}
+
+    def state_tensors(self):
+        yield from self.master
+        for state in self.opt.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+class LoRA(Method):
+    """peft LoRA (rank r, alpha 2r, no dropout) on the same targets; FP32 adapters, AdamW."""
+
+    kind = "lora"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(self.seed)  # peft draws lora_A from torch's global generator
+        config = LoraConfig(r=self.rank, lora_alpha=2 * self.rank, lora_dropout=0.0,
+                            target_modules=TARGETS)
+        self.policy = get_peft_model(self.policy, config)  # adapters in FP32 by default
+        trainable = [p for p in self.policy.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(trainable, lr=self.lr, weight_decay=0.0)
+
+    @property
+    def label(self):
+        return f"lora r={self.rank} lr={self.lr:.3g}"
+
+    def step(self, tokens):
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return {}
+
+    def state_tensors(self):
+        for state in self.opt.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+class RGC(Method):
+    """rgc.wrap + RGCOptimizer; ``lr`` is the AdamW rate that calibrate_lr turns into tau.
+
+    tau = ``tau_scale * rgc.calibrate_lr(policy, lr)`` (METHOD.md tries scales 1 and 3).
+    """
+
+    kind = "rgc"
+
+    def __init__(self, *args, tau_scale: float = 1.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tau_scale = tau_scale
+        rgc.wrap(self.policy, self.rank, targets=TARGETS, seed=self.seed)
+        self.tau = tau_scale * rgc.calibrate_lr(self.policy, self.lr)
+        self.opt = rgc.RGCOptimizer([p for p in self.policy.parameters() if p.requires_grad],
+                                    lr=self.tau, seed=self.seed)
+
+    @property
+    def label(self):
+        return f"rgc r={self.rank} tau={self.tau_scale:g}x ({self.tau:.3g})"
+
+    def step(self, tokens):
+        self.opt.step()  # also zeroes the sketches, keeping their storage
+        return {}
+
+    def state_tensors(self):
+        for _, layer in rgc.compressed_layers(self.policy):
+            if layer.sketch is not None:
+                yield layer.sketch
+
+
+class RowAdam(Method):
+    """rgc.RowAdam on a fixed Rademacher basis with predicted-KL step control (LoGRA-style).
+
+    The probe batch of the KL prediction is the first ``probe`` responses of the step.
+    """
+
+    kind = "rowadam"
+    probe = 16
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        rgc.wrap(self.policy, self.rank, targets=TARGETS, projection="rademacher",
+                 refresh="never", seed=self.seed)
+        control = rgc.PredictedKL(budget=2e-4, final_budget=2e-5, anneal_steps=self.steps)
+        self.opt = rgc.RowAdam([p for p in self.policy.parameters() if p.requires_grad],
+                               lr=self.lr, step_control=control)
+
+    @property
+    def label(self):
+        return f"rowadam r={self.rank} lr={self.lr:.3g} +KL"
+
+    def step(self, tokens):
+        info = self.opt.step(probe={"input_ids": tokens[:self.probe]})
+        self.opt.zero_grad(set_to_none=False)
+        return info if isinstance(info, dict) else {}
+
+    def state_tensors(self):
+        for _, layer in rgc.compressed_layers(self.policy):
+            if layer.sketch is not None:
+                yield layer.sketch
+        for state in self.opt.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+METHODS: dict[str, type[Method]] = {"adamw": DenseAdamW, "lora": LoRA, "rgc": RGC}
+if hasattr(rgc, "RowAdam") and hasattr(rgc, "PredictedKL"):
+    METHODS["rowadam"] = RowAdam
