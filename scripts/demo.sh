@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/setup.sh
-python examples/train_small.py "$@"
+python examples/grpo_arithmetic.py "$@"

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import torch
 from grpo.memory import storage_bytes
 from grpo.model import ModelConfig
+from grpo.task import PAD
 
 import rgc
 
@@ -148,7 +149,9 @@ class RGC(Method):
 class RowAdam(Method):
     """rgc.RowAdam on a fixed Rademacher basis with predicted-KL step control (LoGRA-style).
 
-    The probe batch of the KL prediction is the first ``probe`` responses of the step.
+    The probe batch of the KL prediction is the first ``probe`` sequences of the step (prompt
+    and response), averaged over their non-padding tokens; the budget anneals from 2e-4 to
+    2e-5 over the run, as in the LoGRA paper.
     """
 
     kind = "rowadam"
@@ -156,20 +159,22 @@ class RowAdam(Method):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        rgc.wrap(self.policy, self.rank, targets=TARGETS, projection="rademacher",
-                 refresh="never", seed=self.seed)
-        control = rgc.PredictedKL(budget=2e-4, final_budget=2e-5, anneal_steps=self.steps)
+        rgc.wrap(self.policy, self.rank, targets=TARGETS, preset="logra", seed=self.seed)
+        self.control = rgc.PredictedKL(budget=2e-4, final_budget=2e-5, anneal_steps=self.steps)
         self.opt = rgc.RowAdam([p for p in self.policy.parameters() if p.requires_grad],
-                               lr=self.lr, step_control=control)
+                               lr=self.lr, seed=self.seed, step_control=self.control)
 
     @property
     def label(self):
         return f"rowadam r={self.rank} lr={self.lr:.3g} +KL"
 
     def step(self, tokens):
-        info = self.opt.step(probe={"input_ids": tokens[:self.probe]})
+        probe = tokens[:self.probe]
+        self.control.set_probe(self.policy, probe, token_mask=probe != PAD)
+        self.opt.step()
         self.opt.zero_grad(set_to_none=False)
-        return info if isinstance(info, dict) else {}
+        last = self.control.last or {}
+        return {k: last[k] for k in ("alpha", "predicted_kl", "realised_kl") if k in last}
 
     def state_tensors(self):
         for _, layer in rgc.compressed_layers(self.policy):
@@ -179,6 +184,5 @@ class RowAdam(Method):
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
-METHODS: dict[str, type[Method]] = {"adamw": DenseAdamW, "lora": LoRA, "rgc": RGC}
-if hasattr(rgc, "RowAdam") and hasattr(rgc, "PredictedKL"):
-    METHODS["rowadam"] = RowAdam
+METHODS: dict[str, type[Method]] = {"adamw": DenseAdamW, "lora": LoRA, "rgc": RGC,
+                                     "rowadam": RowAdam}
