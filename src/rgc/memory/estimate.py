@@ -175,9 +175,9 @@ def _llama_spec(cfg: dict, family: str, itemsize: int) -> ModelSpec:
     numel = sum(s.d * s.k + (s.d if s.bias else 0) for s in linears)
     norms = 2 * h + (2 * hd if family == "qwen3" else 0)
     numel += n_layers * norms + h + vocab * h * (1 if tied else 2)
-    if not tied:
-        linears.append(LinearShape("lm_head", vocab, h))
-    inv_freq = hd // 2 * FP32  # the rotary embedding's non-persistent FP32 buffer
+    linears.append(LinearShape("lm_head", vocab, h))  # an nn.Linear even when tied
+    # The rotary embedding's FP32 buffers inv_freq and original_inv_freq (transformers >= 5).
+    inv_freq = 2 * (hd // 2) * FP32
     arch = Architecture(family, h, i, n_layers, heads, kv_heads, hd, vocab, tied,
                         qk_norm=family == "qwen3")
     return ModelSpec(numel * itemsize + inv_freq, numel, tuple(linears), arch, itemsize)
@@ -192,6 +192,7 @@ def _gpt2_spec(cfg: dict, itemsize: int) -> ModelSpec:
                for n in range(n_layers) for name, d, k in per_layer]
     numel = sum(s.d * s.k + s.d for s in linears)
     numel += n_layers * 4 * h + 2 * h + vocab * h + cfg.get("n_positions", 1024) * h
+    linears.append(LinearShape("lm_head", vocab, h))  # tied to the token embedding
     return ModelSpec(numel * itemsize, numel, tuple(linears), None, itemsize)
 
 

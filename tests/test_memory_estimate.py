@@ -1,0 +1,176 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import rgc
+from rgc.memory import estimate_memory, spec_from_config, spec_from_module, track
+from rgc.memory.__main__ import main as cli_main
+
+CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
+GIB = 2**30
+SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _saving_rows(text: str) -> dict[int, float]:
+    rows = {}
+    for line in text.split("RGC's saving over LoRA")[1].splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 4 and cells[0].isdigit():
+            rows[int(cells[0])] = float(cells[1])
+    return rows
+
+
+@pytest.mark.parametrize("config, published", [
+    ("qwen3-1.7b.json", {64: 0.84, 128: 1.68, 256: 3.36}),
+    ("qwen3-8b.json", {64: 2.11}),
+])
+def test_cli_reproduces_method_md_predictions(config, published, capsys):
+    # METHOD.md publishes the saving rounded to 0.01 GiB; the CLI prints the same rounding,
+    # and the unrounded estimate must lie within that rounding (+-0.005 GiB).
+    assert cli_main([str(CONFIGS / config), "--rank", *map(str, published)]) == 0
+    assert _saving_rows(capsys.readouterr().out) == published
+    for r, gib in published.items():
+        lora = estimate_memory(CONFIGS / config, method="lora", rank=r)
+        ours = estimate_memory(CONFIGS / config, method="rgc", rank=r)
+        assert abs((lora.state - ours.state) / GIB - gib) <= 0.005
+        assert 0.15 < ours.state / lora.state < 0.25  # "about a fifth"
+
+
+def test_state_formulas_against_hand_count():
+    cfg = json.loads((CONFIGS / "qwen3-1.7b.json").read_text())
+    h, i, L, q, kv, r = 2048, 6144, 28, 16 * 128, 8 * 128, 64
+    shapes = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]  # (d, k)
+    lora = estimate_memory(cfg, method="lora", rank=r)
+    assert lora.adapters == lora.gradients == L * sum(4 * r * (d + k) for d, k in shapes)
+    assert lora.optimizer_state == 2 * lora.adapters
+    ours = estimate_memory(cfg, method="rgc", rank=r)
+    assert ours.sketch == L * sum(4 * d * r for d, _ in shapes)
+    assert ours.projections == L * sum(2 * k * r for _, k in shapes)
+    assert ours.gradients == 0
+    row = estimate_memory(cfg, method="rowadam", rank=r)
+    assert row.optimizer_state - ours.optimizer_state == L * sum(4 * d * (r + 1)
+                                                                 for d, _ in shapes)
+    dense = estimate_memory(cfg, method="adamw")
+    n_params = 151936 * h + L * (sum(d * k for d, k in shapes) + 2 * h + 2 * 128) + h
+    assert dense.master == dense.gradients == 4 * n_params
+    assert dense.weights == 2 * n_params + 2 * 64 * 4  # + the rotary FP32 buffers
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    ("qwen3", {"head_dim": 24, "tie_word_embeddings": True}),
+    ("qwen2", {}),
+    ("llama", {"attention_bias": True, "mlp_bias": True}),
+    ("mistral", {"head_dim": 16}),
+    ("gpt2", {}),
+])
+def test_config_spec_matches_the_built_model(model_type, extra):
+    transformers = pytest.importorskip("transformers")
+    if model_type == "gpt2":
+        numbers = dict(n_embd=64, n_layer=2, n_head=4, vocab_size=300, n_positions=50)
+    else:
+        numbers = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=300, **extra)
+    cfg = transformers.AutoConfig.for_model(model_type, **numbers)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    built = spec_from_module(model)
+    read = spec_from_config(cfg.to_dict())
+    assert read.num_params == built.num_params
+    assert read.weight_bytes == built.weight_bytes
+    assert sorted((s.d, s.k, s.bias) for s in read.linears) == sorted(
+        (s.d, s.k, s.bias) for s in built.linears)
+
+
+def _tiny_qwen3(**over):
+    transformers = pytest.importorskip("transformers")
+    numbers = dict(vocab_size=500, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                   tie_word_embeddings=True, attn_implementation="sdpa", use_cache=False)
+    numbers.update(over)
+    return transformers.Qwen3Config(**numbers)
+
+
+def _prepare(method, rank, model):
+    if method == "lora":
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=rank, target_modules=SEVEN))
+        params = [p for p in model.parameters() if p.requires_grad]
+        return model, torch.optim.AdamW(params, lr=1e-4, fused=True)
+    rgc.wrap(model, rank, targets=SEVEN)
+    return model, rgc.RGCOptimizer([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+
+@pytest.mark.parametrize("method", ["rgc", "lora", "adamw"])
+def test_saved_activations_match_a_measured_forward(method):
+    from transformers import Qwen3ForCausalLM
+
+    cfg, batch, seq = _tiny_qwen3(), 3, 10
+    with track() as t:
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq))  # saved by the embedding
+        model = Qwen3ForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+        if method != "adamw":
+            model, _ = _prepare(method, 4, model)
+        loss = model(input_ids=ids, labels=ids).loss
+    est = estimate_memory(cfg.to_dict(), method=method, rank=4, targets=SEVEN, batch=batch,
+                          seq_len=seq)
+    assert t._by_category["activations"] == est.activations
+    del loss
+
+
+@pytest.mark.parametrize("method", ["rgc", "lora"])
+def test_measured_step_peak_within_two_percent_of_estimate(method):
+    from transformers import Qwen3ForCausalLM
+
+    cfg, batch, seq, rank = _tiny_qwen3(vocab_size=2000), 2, 24, 8
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    with track() as t:
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+        model = Qwen3ForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+        model, opt = _prepare(method, rank, model)
+        step()
+        t.reset_peak()
+        step()
+    est = estimate_memory(cfg.to_dict(), method=method, rank=rank, targets=SEVEN, batch=batch,
+                          seq_len=seq)
+    assert abs(est.total - t.peak) <= 0.02 * t.peak, (est.at_peak, t.peak_breakdown)
+
+
+@pytest.mark.parametrize("d, k, r", [(300, 200, 8), (64, 520, 32)])
+def test_rgc_step_temporaries_bound_the_measured_step(d, k, r):
+    model = torch.nn.Sequential(torch.nn.Linear(k, d, bias=False, dtype=torch.bfloat16))
+    rgc.wrap(model, r, targets=["0"])
+    opt = rgc.RGCOptimizer(model.parameters(), lr=1e-3, chunk_rows=128)
+    model(torch.randn(4, k, dtype=torch.bfloat16)).sum().backward()
+    with track() as t:
+        opt.step()
+    est = estimate_memory(model, method="rgc", rank=r, targets=["0"])
+    assert est.phase == "optimizer step"
+    assert 0.9 * est.temporaries <= t.peak <= est.temporaries
+
+
+def test_bad_input_is_explained(tmp_path):
+    cfg = CONFIGS / "qwen3-1.7b.json"
+    with pytest.raises(ValueError, match="method must be one of"):
+        estimate_memory(cfg, method="galore", rank=8)
+    with pytest.raises(ValueError, match="needs rank"):
+        estimate_memory(cfg, method="rgc")
+    with pytest.raises(ValueError, match="give both"):
+        estimate_memory(cfg, method="rgc", rank=8, batch=2)
+    with pytest.raises(ValueError, match="matched no linear"):
+        estimate_memory(cfg, method="lora", rank=8, targets=["nope"])
+    with pytest.raises(FileNotFoundError, match="no download"):
+        estimate_memory(tmp_path / "missing.json", method="adamw")
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(ValueError, match="unsupported model_type 't5'"):
+        estimate_memory(tmp_path, method="adamw")
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="Llama-style"):
+        estimate_memory(mlp, method="adamw", batch=1, seq_len=4)
