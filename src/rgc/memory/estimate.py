@@ -393,7 +393,6 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
         est["master"] = spec.num_params * FP32
         est["gradients"] = spec.num_params * FP32
         est["optimizer_state"] = 2 * spec.num_params * FP32
-    persistent = sum(est.values()) - per_step
     end_temp = 0
     if method == "adamw" and spec.arch is not None:
         end_temp = spec.arch.vocab * spec.arch.hidden * wsize  # the embedding's BF16 gradient

@@ -79,7 +79,7 @@ class Tracker(TorchDispatchMode):
 
     # -- public ---------------------------------------------------------------------------
     def reset_peak(self) -> None:
-        """Start a new peak from the current live total (like torch.cuda.reset_peak_memory_stats)."""
+        """Start a new peak from the current live total (as torch.cuda.reset_peak_memory_stats)."""
         self.peak = self.current
         self.peak_breakdown = dict(self._by_category)
         self.largest = None
