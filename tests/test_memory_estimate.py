@@ -78,6 +78,7 @@ def test_config_spec_matches_the_built_model(model_type, extra):
     built = spec_from_module(model)
     read = spec_from_config(cfg.to_dict())
     assert read.num_params == built.num_params
+    assert read.largest_param == built.largest_param
     assert read.weight_bytes == built.weight_bytes
     assert sorted((s.d, s.k, s.bias) for s in read.linears) == sorted(
         (s.d, s.k, s.bias) for s in built.linears)
@@ -102,14 +103,21 @@ def _prepare(method, rank, model):
     return model, rgc.RGCOptimizer([p for p in model.parameters() if p.requires_grad], lr=1e-3)
 
 
-@pytest.mark.parametrize("method", ["rgc", "lora", "adamw"])
-def test_saved_activations_match_a_measured_forward(method):
-    from transformers import Qwen3ForCausalLM
-
-    cfg, batch, seq = _tiny_qwen3(), 3, 10
+@pytest.mark.parametrize("model_type, method", [
+    ("qwen3", "rgc"), ("qwen3", "lora"), ("qwen3", "adamw"),
+    ("llama", "rgc"), ("qwen2", "lora"), ("mistral", "adamw"),
+])
+def test_saved_activations_match_a_measured_forward(model_type, method):
+    transformers = pytest.importorskip("transformers")
+    cfg = _tiny_qwen3().to_dict()
+    cfg = transformers.AutoConfig.for_model(model_type, **{
+        k: cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "head_dim",
+                            "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                            "tie_word_embeddings")}, attn_implementation="sdpa", use_cache=False)
+    batch, seq = 3, 10
     with track() as t:
         ids = torch.randint(0, cfg.vocab_size, (batch, seq))  # saved by the embedding
-        model = Qwen3ForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         if method != "adamw":
             model, _ = _prepare(method, 4, model)
         loss = model(input_ids=ids, labels=ids).loss

@@ -1,9 +1,10 @@
 """rgc: randomized gradient compression for full-weight RL post-training of LLMs."""
 
-from rgc import distributed
+from rgc import distributed, memory
 from rgc.calibrate import calibrate_lr
 from rgc.control import PredictedKL
 from rgc.distributed import DistributedRGCOptimizer
+from rgc.memory import estimate_memory
 from rgc.nn import CompressedLinear, compressed_layers, unwrap, wrap
 from rgc.optim import RGCOptimizer, RowAdam
 from rgc.projection import PROJECTION_KINDS, make_projection
@@ -23,7 +24,9 @@ __all__ = [
     "calibrate_lr",
     "compressed_layers",
     "distributed",
+    "estimate_memory",
     "make_projection",
+    "memory",
     "stochastic_round",
     "unwrap",
     "wrap",

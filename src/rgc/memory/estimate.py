@@ -86,6 +86,7 @@ class ModelSpec:
             weight read as d x k).
         arch: the decoder's numbers, if known (needed for activations).
         weight_itemsize: bytes per element of the linear weights (P is stored in this dtype).
+        largest_param: elements of the largest parameter.
     """
 
     weight_bytes: int
@@ -93,6 +94,7 @@ class ModelSpec:
     linears: tuple[LinearShape, ...]
     arch: Architecture | None = None
     weight_itemsize: int = 2
+    largest_param: int = 0
 
 
 @dataclass(frozen=True)
@@ -180,7 +182,8 @@ def _llama_spec(cfg: dict, family: str, itemsize: int) -> ModelSpec:
     inv_freq = 2 * (hd // 2) * FP32
     arch = Architecture(family, h, i, n_layers, heads, kv_heads, hd, vocab, tied,
                         qk_norm=family == "qwen3")
-    return ModelSpec(numel * itemsize + inv_freq, numel, tuple(linears), arch, itemsize)
+    return ModelSpec(numel * itemsize + inv_freq, numel, tuple(linears), arch, itemsize,
+                     largest_param=max(vocab * h, i * h))
 
 
 def _gpt2_spec(cfg: dict, itemsize: int) -> ModelSpec:
@@ -193,7 +196,8 @@ def _gpt2_spec(cfg: dict, itemsize: int) -> ModelSpec:
     numel = sum(s.d * s.k + s.d for s in linears)
     numel += n_layers * 4 * h + 2 * h + vocab * h + cfg.get("n_positions", 1024) * h
     linears.append(LinearShape("lm_head", vocab, h))  # tied to the token embedding
-    return ModelSpec(numel * itemsize, numel, tuple(linears), None, itemsize)
+    return ModelSpec(numel * itemsize, numel, tuple(linears), None, itemsize,
+                     largest_param=max(vocab * h, inner * h))
 
 
 def spec_from_config(config, *, dtype: torch.dtype = torch.bfloat16) -> ModelSpec:
@@ -222,7 +226,7 @@ def spec_from_module(model: nn.Module) -> ModelSpec:
     the activation model.
     """
     seen: set = set()
-    weight_bytes = numel = 0
+    weight_bytes = numel = largest = 0
     for t in [*model.parameters(), *model.buffers()]:
         key = (t.device, t.untyped_storage().data_ptr()) if t.device.type != "meta" else id(t)
         if key in seen:
@@ -231,6 +235,7 @@ def spec_from_module(model: nn.Module) -> ModelSpec:
         weight_bytes += t.numel() * t.element_size()
         if isinstance(t, nn.Parameter):
             numel += t.numel()
+            largest = max(largest, t.numel())
     linears, itemsize = [], 2
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear):
@@ -243,7 +248,7 @@ def spec_from_module(model: nn.Module) -> ModelSpec:
     cfg = getattr(model, "config", None)
     if cfg is not None and getattr(cfg, "model_type", None) in LLAMA_FAMILY:
         arch = _llama_spec(cfg.to_dict(), cfg.model_type, itemsize).arch
-    return ModelSpec(weight_bytes, numel, tuple(linears), arch, itemsize)
+    return ModelSpec(weight_bytes, numel, tuple(linears), arch, itemsize, largest)
 
 
 # -- estimate -----------------------------------------------------------------------------
@@ -257,7 +262,7 @@ def _is_target(targets, name: str) -> bool:
 
 
 def _activations(arch: Architecture, method: str, rank: int, n: int, seq_len: int,
-                 wsize: int) -> tuple[int, int]:
+                 wsize: int, targets: list[LinearShape]) -> tuple[int, int]:
     """(saved activations, loss transient at backward start) in bytes for n tokens.
 
     Per decoder layer (h hidden, i intermediate, q = heads * head_dim, c = kv_heads * head_dim,
@@ -270,6 +275,9 @@ def _activations(arch: Architecture, method: str, rank: int, n: int, seq_len: in
     * MLP: gate and up outputs and SiLU(gate) (3 x 2ni); AdamW also SiLU(gate)*up (2ni);
     * per target linear: RGC/RowAdam ``X P`` (n x r, weight dtype); LoRA the FP32 copy of its
       input (4nk, one per target: peft casts x for each adapter) and ``A x`` (4nr).
+
+    The terms other than the targets' assume at least one target in the attention and one in
+    the MLP of every layer (the default targets are all seven projections).
 
     The first layer's input norm saves nothing unless the embedding is trained (AdamW).
     Model level: the embedding's int64 ids (AdamW), RoPE cos and sin (2 x seq x head_dim,
@@ -287,13 +295,12 @@ def _activations(arch: Architecture, method: str, rank: int, n: int, seq_len: in
     attention = 2 * n * (2 * q + 2 * c) + 4 * n * a
     mlp = 6 * n * i + (2 * n * i if dense else 0)
     if method in ("rgc", "rowadam"):
-        targets = 7 * n * rank * wsize
+        saved_by_targets = len(targets) * n * rank * wsize
     elif method == "lora":
-        targets = 4 * n * (5 * h + q + i) + 7 * 4 * n * rank
+        saved_by_targets = sum(4 * n * s.k + 4 * n * rank for s in targets)
     else:
-        targets = 0
-    layer = 2 * norm + qk + attention + mlp + targets
-    total = arch.layers * layer
+        saved_by_targets = 0
+    total = arch.layers * (2 * norm + qk + attention + mlp) + saved_by_targets
     if not dense:
         total -= 4 * n * h + 4 * n  # the first layer's input norm
     total += 8 * n if dense else 0  # embedding ids
@@ -344,8 +351,9 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
       forward and backward, an FP32 master copy, FP32 gradient buffers kept between steps
       (each BF16 gradient is added into them as soon as it is produced and then dropped), two
       FP32 moments, fused AdamW, then the master copy is written back: 16 bytes per parameter
-      on top of the weights. The transient BF16 gradient of the largest parameter is added
-      at backward end.
+      on top of the weights. At backward end the transient BF16 gradient of the largest
+      parameter is added (three of them for a tied embedding: the lm_head's and the
+      embedding's contributions and their sum).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -393,9 +401,14 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
         est["master"] = spec.num_params * FP32
         est["gradients"] = spec.num_params * FP32
         est["optimizer_state"] = 2 * spec.num_params * FP32
+    # AdamW: the BF16 gradient of the largest parameter (the embedding) before the hook adds
+    # it into its FP32 buffer. A tied embedding gets two contributions, the lm_head's (held by
+    # autograd from the start of backward) and the embedding's, which autograd sums before
+    # accumulating: three V x h tensors at the end of backward.
     end_temp = 0
-    if method == "adamw" and spec.arch is not None:
-        end_temp = spec.arch.vocab * spec.arch.hidden * wsize  # the embedding's BF16 gradient
+    if method == "adamw":
+        tied = spec.arch is not None and spec.arch.tied
+        end_temp = (3 if tied else 1) * spec.largest_param * wsize
     phases = {"optimizer step": (per_step, step_temp, 0),
               "backward end": (per_step, end_temp, 0)}
     if batch is not None:
@@ -404,7 +417,7 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
                              "Mistral, Qwen2, Qwen3) given by a config or a transformers model; "
                              "leave batch/seq_len unset for this model")
         acts, loss_temp = _activations(spec.arch, method, rank or 0, batch * seq_len,
-                                       seq_len, wsize)
+                                       seq_len, wsize, chosen)
         est["activations"] = acts
         phases["backward start"] = (0, loss_temp, acts)
     phase, (grads_live, temp, acts_live) = max(phases.items(), key=lambda kv: sum(kv[1]))
