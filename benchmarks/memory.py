@@ -181,7 +181,7 @@ def savings(results: dict, ranks: list[int]) -> list[dict]:
             "rank": r,
             "RGC saving predicted MiB": (lora_est.total - rgc_est.total) / MIB,
             "RGC saving measured MiB": (lora_got["peak"] - rgc_got["peak"]) / MIB,
-            "state saving (METHOD.md accounting) MiB": (lora_est.state - rgc_est.state) / MIB,
+            "state saving MiB": (lora_est.state - rgc_est.state) / MIB,
             "RGC state / LoRA state": rgc_est.state / lora_est.state,
         })
     return out

@@ -27,7 +27,7 @@ def _saving_rows(text: str) -> dict[int, float]:
     ("qwen3-8b.json", {64: 2.11}),
 ])
 def test_cli_reproduces_method_md_predictions(config, published, capsys):
-    # METHOD.md publishes the saving rounded to 0.01 GiB; the CLI prints the same rounding,
+    # The RGC preprint publishes the saving rounded to 0.01 GiB; the CLI prints the same rounding,
     # and the unrounded estimate must lie within that rounding (+-0.005 GiB).
     assert cli_main([str(CONFIGS / config), "--rank", *map(str, published)]) == 0
     assert _saving_rows(capsys.readouterr().out) == published

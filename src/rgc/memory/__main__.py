@@ -2,7 +2,7 @@
 
 Prints, per rank, each method's training state, predicted peak and the saving of RGC over
 LoRA. The state saving (LoRA's adapters + gradients + AdamW moments minus RGC's sketches +
-projections, over the target projections of every layer) is METHOD.md's "predicted saving";
+projections, over the target projections of every layer) is the RGC preprint's "predicted saving";
 with ``--batch`` and ``--seq-len`` the peaks include saved activations.
 """
 

@@ -108,7 +108,7 @@ class MemoryEstimate:
         master: AdamW's FP32 master copy of every parameter.
         projections: RGC/RowAdam projections P (k x r, weight dtype).
         optimizer_state: AdamW moments (2 x FP32 per trained element), RowAdam m (d x r FP32)
-            and v (d FP32), RGC's per-parameter scalar counters.
+            and v (d FP32); none for RGC.
         gradients: LoRA adapter gradients, AdamW FP32 gradients, dense gradients of trainable
             non-target parameters under RGC/RowAdam.
         activations: tensors saved for backward at ``batch x seq_len`` (0 if not given).
@@ -117,8 +117,8 @@ class MemoryEstimate:
     ``total`` is the predicted peak; ``at_peak`` splits it into what is live at that moment
     (its values add up to ``total``); ``phase`` names the moment ('backward start',
     'backward end' or 'optimizer step'); ``state`` is the method's training state
-    (everything but weights, activations and temporaries): METHOD.md's predicted saving of
-    RGC over LoRA is ``lora.state - rgc.state``.
+    (everything but weights, activations and temporaries): the saving of RGC over LoRA
+    predicted in the RGC preprint is ``lora.state - rgc.state``.
     """
 
     method: str
@@ -339,10 +339,10 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
     * every method: the model weights as stored; all parameters outside the targets frozen
       (AdamW trains all). ``zero_grad(set_to_none=True)`` after each step, so gradients and
       sketches live from backward to the step.
-    * rgc: per target C (d x r, 4) and P (k x r, weight dtype); no dense weight gradient; four
-      int64 scalars of optimizer state per target; the step's largest temporary is the
-      reference path's chunk of H with its rounding bits (``chunk_rows x k x``
-      :data:`STEP_BYTES_PER_CHUNK_ELEMENT`) or regenerating P.
+    * rgc: per target C (d x r, 4) and P (k x r, weight dtype); no dense weight gradient and
+      no tensor optimizer state; the step's largest temporary is the reference path's chunk
+      of H with its rounding bits (``chunk_rows x k x`` :data:`STEP_BYTES_PER_CHUNK_ELEMENT`),
+      regenerating P, or the r x r Gram norm of H.
     * rowadam: rgc's, plus m (d x r, 4) and v (d, 4) per target; its step temporaries are
       taken as rgc's plus two d x r FP32 tensors (m_hat and the update).
     * lora: peft-style A (r x k) and B (d x r) in FP32 per target, their FP32 gradients and two
@@ -380,7 +380,7 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
     if method in ("rgc", "rowadam"):
         est["sketch"] = sum(s.d * rank * FP32 for s in chosen)
         est["projections"] = sum(s.k * rank * wsize for s in chosen)
-        est["optimizer_state"] = 4 * 8 * len(chosen)
+        est["optimizer_state"] = 0  # RGCOptimizer keeps Python ints only
         # Trainable biases of the targets keep a dense gradient.
         est["gradients"] = sum(s.d * wsize for s in chosen if s.bias)
         per_step = est["sketch"] + est["gradients"]
