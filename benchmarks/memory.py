@@ -4,7 +4,7 @@ One model (a randomly initialised transformers Qwen3ForCausalLM in BF16), one fi
 For each method: build the model inside :func:`rgc.memory.track`, run one warm-up step
 (optimizer state is created lazily), reset the peak, run one measured step (forward with the
 loss, backward, optimizer step, ``zero_grad``), and put :func:`rgc.estimate_memory` beside the
-measured peak. Two more steps outside the tracker give the step time.
+measured peak. Three more steps outside the tracker give the step time (median).
 
 The AdamW recipe (the one the estimator assumes): BF16 weights for forward and backward, an
 FP32 master copy, FP32 gradient buffers kept between steps (each BF16 gradient is added in by a
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 
 import torch
@@ -115,8 +116,8 @@ def train_step(model, opt, ids: torch.Tensor) -> float:
     return loss.item()
 
 
-def measure(method: str, rank: int | None, numbers: dict, timed_steps: int = 1) -> dict:
-    """Measured peak (bytes) of one steady-state step, and the mean time of a step."""
+def measure(method: str, rank: int | None, numbers: dict, timed_steps: int = 3) -> dict:
+    """Measured peak (bytes) of one steady-state step, and the median time of a step."""
     gen = torch.Generator().manual_seed(1)
     with track(record=False) as t:
         ids = torch.randint(0, numbers["vocab_size"], (numbers["batch"], numbers["seq_len"]),
@@ -126,10 +127,12 @@ def measure(method: str, rank: int | None, numbers: dict, timed_steps: int = 1) 
         t.reset_peak()
         train_step(model, opt, ids)
     peak, breakdown = t.peak, t.peak_breakdown
-    start = time.perf_counter()
+    times = []
     for _ in range(timed_steps):
+        start = time.perf_counter()
         train_step(model, opt, ids)
-    seconds = (time.perf_counter() - start) / timed_steps
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
     del model, opt
     gc.collect()
     return {"peak": peak, "breakdown": breakdown, "seconds": seconds}
@@ -232,7 +235,8 @@ def main(argv=None) -> None:
              + "".join(note + "\n\n" for note in skipped)
              + "Measured: peak bytes of live tensor storages during the second training step "
              "(rgc.memory.track, which sees every tensor an operator returns), model built "
-             "inside the tracker. Step time: one untracked step after those two.\n\n"
+             "inside the tracker. Step time: median of three untracked steps after those two "
+             "(the machine is shared: times are noisy, compare the ratios).\n\n"
              "![peak memory](memory.png)")
     write_results("memory", rows, title="Training-step memory: measured vs estimated",
                   notes=notes)

@@ -123,7 +123,7 @@ def test_saved_activations_match_a_measured_forward(model_type, method):
         loss = model(input_ids=ids, labels=ids).loss
     est = estimate_memory(cfg.to_dict(), method=method, rank=4, targets=SEVEN, batch=batch,
                           seq_len=seq)
-    assert t._by_category["activations"] == est.activations
+    assert t.current_breakdown["activations"] == est.activations
     del loss
 
 

@@ -60,12 +60,12 @@ def test_categories_activations_backward_optimizer():
     with track() as t:
         y = x.exp()  # exp saves its 400-byte result for backward
         loss = y.sum()
-        assert t._by_category["activations"] == 400
+        assert t.current_breakdown["activations"] == 400
         loss.backward()
-        grads = t.current - t._by_category["other"] - t._by_category["activations"]
+        grads = t.current - t.current_breakdown["other"] - t.current_breakdown["activations"]
         assert grads >= 400  # x.grad, allocated during backward
         opt.step()  # the momentum buffer (400 bytes) is allocated inside step()
-        assert t._by_category["optimizer"] == 400
+        assert t.current_breakdown["optimizer"] == 400
     assert {a.category for a in t.allocations} == {"other", "backward", "optimizer"}
 
 

@@ -31,6 +31,14 @@ from torch.utils._pytree import tree_flatten
 CATEGORIES = ("activations", "backward", "optimizer", "other")
 
 
+def _storage(t: torch.Tensor):
+    """``t``'s UntypedStorage, or None for tensors without one (sparse, nested)."""
+    try:
+        return t.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
 @dataclass(frozen=True)
 class Allocation:
     """One new storage: the operator that returned it, the tensor's shape and dtype, the
@@ -78,6 +86,11 @@ class Tracker(TorchDispatchMode):
         self._cuda_base = 0
 
     # -- public ---------------------------------------------------------------------------
+    @property
+    def current_breakdown(self) -> dict[str, int]:
+        """``{category: bytes}`` live now."""
+        return dict(self._by_category)
+
     def reset_peak(self) -> None:
         """Start a new peak from the current live total (as torch.cuda.reset_peak_memory_stats)."""
         self.peak = self.current
@@ -122,13 +135,13 @@ class Tracker(TorchDispatchMode):
     def _pack(self, t: torch.Tensor):
         # Saved for backward: move the storage into 'activations' (once). A saved parameter
         # (or a view of one, as the transposed weight of a matmul) stays where it is.
-        key = t.untyped_storage()._cdata
-        entry = self._live.get(key)
+        st = _storage(t)
+        entry = None if st is None else self._live.get(st._cdata)
         is_param = isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
         if entry is not None and not is_param and entry[1] not in ("activations", "backward"):
             self._by_category[entry[1]] -= entry[0]
             self._by_category["activations"] += entry[0]
-            self._live[key] = (entry[0], "activations")
+            self._live[st._cdata] = (entry[0], "activations")
         # detach: returning ``t`` itself would tie a saved output to its own grad_fn in a
         # reference cycle, and its storage would then outlive the graph until gc runs.
         return t.detach()
@@ -138,13 +151,15 @@ class Tracker(TorchDispatchMode):
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if not outs:
             return out
-        seen = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
-                if isinstance(t, torch.Tensor)}
+        seen = {st._cdata for t in tree_flatten((args, kwargs))[0]
+                if isinstance(t, torch.Tensor) and (st := _storage(t)) is not None}
         for t in outs:
             if t.device.type == "meta" or (self.device is not None
                                            and t.device.type != self.device):
                 continue
-            st = t.untyped_storage()
+            st = _storage(t)
+            if st is None:
+                continue
             key = st._cdata
             if key in seen or key in self._live:
                 continue
