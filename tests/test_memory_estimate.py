@@ -84,13 +84,14 @@ def test_config_spec_matches_the_built_model(model_type, extra):
         (s.d, s.k, s.bias) for s in built.linears)
 
 
-def _tiny_qwen3(**over):
+TINY = dict(vocab_size=500, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True,
+            attn_implementation="sdpa", use_cache=False)
+
+
+def _tiny(model_type="qwen3", **over):
     transformers = pytest.importorskip("transformers")
-    numbers = dict(vocab_size=500, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-                   tie_word_embeddings=True, attn_implementation="sdpa", use_cache=False)
-    numbers.update(over)
-    return transformers.Qwen3Config(**numbers)
+    return transformers.AutoConfig.for_model(model_type, **(TINY | over))
 
 
 def _prepare(method, rank, model):
@@ -108,16 +109,13 @@ def _prepare(method, rank, model):
     ("llama", "rgc"), ("qwen2", "lora"), ("mistral", "adamw"),
 ])
 def test_saved_activations_match_a_measured_forward(model_type, method):
-    transformers = pytest.importorskip("transformers")
-    cfg = _tiny_qwen3().to_dict()
-    cfg = transformers.AutoConfig.for_model(model_type, **{
-        k: cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "head_dim",
-                            "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                            "tie_word_embeddings")}, attn_implementation="sdpa", use_cache=False)
+    from transformers import AutoModelForCausalLM
+
+    cfg = _tiny(model_type)
     batch, seq = 3, 10
     with track() as t:
         ids = torch.randint(0, cfg.vocab_size, (batch, seq))  # saved by the embedding
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         if method != "adamw":
             model, _ = _prepare(method, 4, model)
         loss = model(input_ids=ids, labels=ids).loss
@@ -131,7 +129,7 @@ def test_saved_activations_match_a_measured_forward(model_type, method):
 def test_measured_step_peak_within_two_percent_of_estimate(method):
     from transformers import Qwen3ForCausalLM
 
-    cfg, batch, seq, rank = _tiny_qwen3(vocab_size=2000), 2, 24, 8
+    cfg, batch, seq, rank = _tiny(vocab_size=2000), 2, 20, 8  # n = 40: no weight dim
 
     def step():
         model(input_ids=ids, labels=ids).loss.backward()
@@ -144,10 +142,15 @@ def test_measured_step_peak_within_two_percent_of_estimate(method):
         model, opt = _prepare(method, rank, model)
         step()
         t.reset_peak()
+        first = len(t.allocations)
         step()
     est = estimate_memory(cfg.to_dict(), method=method, rank=rank, targets=SEVEN, batch=batch,
                           seq_len=seq)
     assert abs(est.total - t.peak) <= 0.02 * t.peak, (est.at_peak, t.peak_breakdown)
+    if method == "rgc":  # and backward formed no dense gradient of a compressed weight
+        weights = {(s.d, s.k) for s in spec_from_module(model).linears if s.name != "lm_head"}
+        backward = {a.shape for a in t.allocations[first:] if a.category == "backward"}
+        assert backward and not weights & backward
 
 
 @pytest.mark.parametrize("d, k, r", [(300, 200, 8), (64, 520, 32)])
