@@ -101,7 +101,10 @@ def _prepare(method, rank, model):
         params = [p for p in model.parameters() if p.requires_grad]
         return model, torch.optim.AdamW(params, lr=1e-4, fused=True)
     rgc.wrap(model, rank, targets=SEVEN)
-    return model, rgc.RGCOptimizer([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if method == "rowadam":
+        return model, rgc.RowAdam(params, lr=1e-3)
+    return model, rgc.RGCOptimizer(params, lr=1e-3)
 
 
 @pytest.mark.parametrize("model_type, method", [
@@ -125,7 +128,7 @@ def test_saved_activations_match_a_measured_forward(model_type, method):
     del loss
 
 
-@pytest.mark.parametrize("method", ["rgc", "lora"])
+@pytest.mark.parametrize("method", ["rgc", "rowadam", "lora"])
 def test_measured_step_peak_within_two_percent_of_estimate(method):
     from transformers import Qwen3ForCausalLM
 
@@ -147,23 +150,27 @@ def test_measured_step_peak_within_two_percent_of_estimate(method):
     est = estimate_memory(cfg.to_dict(), method=method, rank=rank, targets=SEVEN, batch=batch,
                           seq_len=seq)
     assert abs(est.total - t.peak) <= 0.02 * t.peak, (est.at_peak, t.peak_breakdown)
-    if method == "rgc":  # and backward formed no dense gradient of a compressed weight
+    if method != "lora":  # and backward formed no dense gradient of a compressed weight
         weights = {(s.d, s.k) for s in spec_from_module(model).linears if s.name != "lm_head"}
         backward = {a.shape for a in t.allocations[first:] if a.category == "backward"}
         assert backward and not weights & backward
 
 
-@pytest.mark.parametrize("d, k, r", [(300, 200, 8), (64, 520, 32)])
-def test_rgc_step_temporaries_bound_the_measured_step(d, k, r):
+@pytest.mark.parametrize("method", ["rgc", "rowadam"])
+@pytest.mark.parametrize("d, k, r", [(300, 200, 8), (64, 520, 32), (700, 96, 64)])
+def test_step_temporaries_bound_the_measured_step(method, d, k, r):
     model = torch.nn.Sequential(torch.nn.Linear(k, d, bias=False, dtype=torch.bfloat16))
     rgc.wrap(model, r, targets=["0"])
-    opt = rgc.RGCOptimizer(model.parameters(), lr=1e-3, chunk_rows=128)
-    model(torch.randn(4, k, dtype=torch.bfloat16)).sum().backward()
-    with track() as t:
-        opt.step()
-    est = estimate_memory(model, method="rgc", rank=r, targets=["0"])
+    make = rgc.RGCOptimizer if method == "rgc" else rgc.RowAdam
+    opt = make(model.parameters(), lr=1e-3, chunk_rows=128)
+    for _ in range(2):  # the second step: RowAdam's moments exist
+        model(torch.randn(4, k, dtype=torch.bfloat16)).sum().backward()
+        with track() as t:
+            opt.step()
+    est = estimate_memory(model, method=method, rank=r, targets=["0"])
     assert est.phase == "optimizer step"
-    assert 0.9 * est.temporaries <= t.peak <= est.temporaries
+    # The model also counts the BF16 rounded chunk, built in numpy on the CPU (unseen here).
+    assert est.temporaries - 2 * min(128, d) * k <= t.peak <= est.temporaries
 
 
 def test_bad_input_is_explained(tmp_path):

@@ -40,13 +40,11 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 FAMILIES = (*LLAMA_FAMILY, "gpt2")
 FP32 = 4
 
-#: Reference-path RGC step, bytes per element of one ``chunk_rows x k`` chunk of H: FP32 rows
-#: (4) + FP32 new rows (4) + the int64 counters and hash temporaries of the stochastic rounding
-#: (40) + the int32 bit pattern (4). Measured with :func:`rgc.memory.track` (torch 2.13).
-STEP_BYTES_PER_CHUNK_ELEMENT = 52
-#: Regenerating P (k x r) after a step: float64 Gaussian, QR factor, scaled copy (3 x 8 bytes
-#: per element, plus the QR's working copy 8) and the rounded result (2).
-REFRESH_BYTES_PER_PROJECTION_ELEMENT = 34
+#: Reference-path update, bytes per element of one ``chunk_rows x k`` chunk of H: FP32 rows
+#: (4), FP32 new rows (4), a third FP32 temporary (4) and the BF16 result (2; on the CPU it is
+#: built in numpy, which :func:`rgc.memory.track` does not see). Measured with the tracker on
+#: torch 2.13; ``tests/test_memory_estimate.py`` checks whole steps.
+UPDATE_BYTES_PER_CHUNK_ELEMENT = 14
 
 
 @dataclass(frozen=True)
@@ -311,7 +309,42 @@ def _activations(arch: Architecture, method: str, rank: int, n: int, seq_len: in
 
 
 def _refresh_temp(k: int, r: int) -> int:
-    return REFRESH_BYTES_PER_PROJECTION_ELEMENT * k * r
+    # float64 Gaussian, Q, sign-corrected and scaled copies (32kr); R and the signs (8r^2 + 8r)
+    return 32 * k * r + 8 * r * r + 8 * r
+
+
+def _update_temp(d: int, k: int, r: int, chunk_rows: int, implementation: str) -> int:
+    # an FP32 copy of P plus the chunk of H (none on the Triton kernel)
+    chunk = 0 if implementation == "triton" else UPDATE_BYTES_PER_CHUNK_ELEMENT
+    return 4 * k * r + min(chunk_rows, d) * k * chunk
+
+
+def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
+                         implementation: str = "torch") -> int:
+    """Largest transient of one RGCOptimizer update of a d x k weight at rank r, in bytes.
+
+    The largest of: the finiteness check of C (7dr); ``||H||`` from the Gram matrix (an FP32
+    copy of P, C P^T P and its product with C: 4kr + 8dr + 4r^2); ``||W||`` over row chunks
+    (8 bytes per chunk element); the update (4kr plus
+    :data:`UPDATE_BYTES_PER_CHUNK_ELEMENT` per chunk element); regenerating P after the step
+    (32kr + 8r^2 + 8r).
+    """
+    return max(7 * d * r, 4 * k * r + 8 * d * r + 4 * r * r, 8 * min(chunk_rows, d) * k,
+               _update_temp(d, k, r, chunk_rows, implementation), _refresh_temp(k, r))
+
+
+def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
+                             implementation: str = "torch") -> int:
+    """Largest transient of one RowAdam update of a d x k weight at rank r, in bytes.
+
+    The finiteness check (7dr); then the direction U (4dr) stays live while the update runs
+    (as RGC's) and while, with a copy of the old P (2kr), P is regenerated (as RGC's) and m is
+    carried into the new basis (float64 copies of both P and r x r products, 16kr + 16r^2,
+    then the new m beside the old float64 P, 8kr + 12r^2 + 4dr).
+    """
+    carry = max(16 * k * r + 16 * r * r, 8 * k * r + 12 * r * r + 4 * d * r)
+    return max(7 * d * r, 4 * d * r + max(_update_temp(d, k, r, chunk_rows, implementation),
+                                          2 * k * r + max(_refresh_temp(k, r), carry)))
 
 
 def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
@@ -340,11 +373,10 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
       (AdamW trains all). ``zero_grad(set_to_none=True)`` after each step, so gradients and
       sketches live from backward to the step.
     * rgc: per target C (d x r, 4) and P (k x r, weight dtype); no dense weight gradient and
-      no tensor optimizer state; the step's largest temporary is the reference path's chunk
-      of H with its rounding bits (``chunk_rows x k x`` :data:`STEP_BYTES_PER_CHUNK_ELEMENT`),
-      regenerating P, or the r x r Gram norm of H.
-    * rowadam: rgc's, plus m (d x r, 4) and v (d, 4) per target; its step temporaries are
-      taken as rgc's plus two d x r FP32 tensors (m_hat and the update).
+      no tensor optimizer state; step temporaries per :func:`rgc_step_temporaries`, with P
+      regenerated after every step (``refresh='every_step'``, the default of rgc.wrap).
+    * rowadam: rgc's, plus m (d x r, 4) and v (d, 4) per target (and AdamW moments for
+      trainable biases); step temporaries per :func:`rowadam_step_temporaries`.
     * lora: peft-style A (r x k) and B (d x r) in FP32 per target, their FP32 gradients and two
       FP32 AdamW moments (16 bytes per adapter element); fused AdamW (no step temporaries).
     * adamw: the mixed-precision recipe of ``benchmarks/memory.py``: weights in ``dtype`` for
@@ -384,13 +416,13 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
         # Trainable biases of the targets keep a dense gradient.
         est["gradients"] = sum(s.d * wsize for s in chosen if s.bias)
         per_step = est["sketch"] + est["gradients"]
-        chunk = 0 if implementation == "triton" else STEP_BYTES_PER_CHUNK_ELEMENT
-        step_temp = max(max(min(chunk_rows, s.d) * s.k * chunk + 4 * s.k * rank,
-                            _refresh_temp(s.k, rank), 4 * s.k * rank + 8 * s.d * rank)
-                        for s in chosen)
+        temps = rgc_step_temporaries if method == "rgc" else rowadam_step_temporaries
+        step_temp = max(temps(s.d, s.k, rank, chunk_rows=chunk_rows,
+                              implementation=implementation) for s in chosen)
         if method == "rowadam":
-            est["optimizer_state"] += sum(s.d * rank * FP32 + s.d * FP32 for s in chosen)
-            step_temp += max(2 * s.d * rank * FP32 for s in chosen)
+            est["optimizer_state"] = sum(s.d * rank * FP32 + s.d * FP32 for s in chosen)
+            # elementwise AdamW moments of the targets' trainable biases
+            est["optimizer_state"] += sum(2 * s.d * FP32 for s in chosen if s.bias)
     elif method == "lora":
         adapter = sum(rank * (s.d + s.k) for s in chosen)
         est["adapters"] = adapter * FP32
