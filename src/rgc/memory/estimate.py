@@ -10,8 +10,8 @@ optimizer state, an FP32 master copy) is always live. On top of it the peak is t
 three moments:
 
 * start of backward: every saved activation plus the loss's transient gradients;
-* end of backward: all of this step's gradients (RGC's sketches, LoRA's adapter gradients)
-  plus the last layer's transient;
+* end of backward: all of this step's gradients (RGC's sketches, LoRA's adapter gradients;
+  for AdamW, which keeps FP32 gradient buffers, the embedding's transient BF16 gradient);
 * optimizer step: the gradients plus the step's largest temporaries.
 
 The activation model is written for Llama-style decoders (Llama, Mistral, Qwen2, Qwen3) as
