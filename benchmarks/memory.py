@@ -213,7 +213,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, no result files")
     parser.add_argument("--rank", type=int, nargs="+", default=None)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: on a shared machine, OpenMP threads "
+                             "that wait for each other made step times vary 100-fold)")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     numbers = QUICK if args.quick else FULL
     ranks = args.rank or ([4, 8] if args.quick else [64, 128, 256])
     rows, results, skipped = run(numbers, ranks)
