@@ -29,9 +29,9 @@ import rgc
 from rgc.memory import estimate_memory, track
 
 try:
-    from benchmarks.common import RESULTS, write_results
+    from benchmarks.common import RESULTS, markdown_table, write_results
 except ImportError:  # run as a script from benchmarks/
-    from common import RESULTS, write_results
+    from common import RESULTS, markdown_table, write_results
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GIB = 2**30
@@ -143,22 +143,17 @@ def estimate(method: str, rank: int | None, numbers: dict):
                            batch=numbers["batch"], seq_len=numbers["seq_len"])
 
 
-def run(numbers: dict, ranks: list[int]) -> tuple[list[dict], dict]:
+def run(numbers: dict, ranks: list[int]) -> tuple[list[dict], dict, list[str]]:
+    """Rows of the table, ``{(method, rank): (estimate, measurement)}`` and notes."""
     runs = [("adamw", None)] + [(m, r) for m in ("lora", "rgc", "rowadam") for r in ranks]
-    rows, results, notes = [], {}, []
-    if not hasattr(rgc, "RowAdam"):
-        notes.append("RowAdam rows skipped: this version of rgc has no rgc.RowAdam.")
+    has_rowadam = hasattr(rgc, "RowAdam")
+    notes = [] if has_rowadam else ["RowAdam rows skipped: this rgc has no rgc.RowAdam."]
+    rows, results = [], {}
     for method, rank in runs:
-        if method == "rowadam" and (not hasattr(rgc, "RowAdam") or notes):
+        if method == "rowadam" and not has_rowadam:
             continue
         est = estimate(method, rank, numbers)
-        try:
-            got = measure(method, rank, numbers)
-        except (TypeError, ValueError) as e:
-            if method != "rowadam":
-                raise
-            notes.append(f"RowAdam rows skipped: rgc.RowAdam(params, lr=1e-3) failed: {e}")
-            continue
+        got = measure(method, rank, numbers)
         results[(method, rank)] = (est, got)
         print(f"{method:8s} r={rank}: measured {got['peak'] / MIB:8.1f} MiB, "
               f"estimated {est.total / MIB:8.1f} MiB, {got['seconds']:.2f} s/step", flush=True)
@@ -220,36 +215,28 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     numbers = QUICK if args.quick else FULL
     ranks = args.rank or ([4, 8] if args.quick else [64, 128, 256])
-    rows, results, skipped = run(numbers, ranks)
+    rows, results, notes = run(numbers, ranks)
     saving_rows = savings(results, ranks)
     if args.quick:
-        from benchmarks.common import markdown_table
-
         print(markdown_table(rows))
         print(markdown_table(saving_rows))
         return
     worst = max(rows, key=lambda r: abs(r["error %"]))
     below = all(r["RGC saving measured MiB"] > 0 for r in saving_rows)
-    skipped.insert(0, f"Largest estimate error: {worst['error %']:+.2f}% ({worst['method']} "
+    notes.insert(0, f"Largest estimate error: {worst['error %']:+.2f}% ({worst['method']} "
                       f"r={worst['rank']}). RGC's measured peak below LoRA's at every rank: "
                       f"{'yes' if below else 'no'}.")
     shape = ", ".join(f"{k}={v}" for k, v in numbers.items())
-    notes = ("Model and batch: " + shape + ".\n\n" + _markdown(saving_rows) + "\n\n"
-             + "".join(note + "\n\n" for note in skipped)
-             + "Measured: peak bytes of live tensor storages during the second training step "
-             "(rgc.memory.track, which sees every tensor an operator returns), model built "
-             "inside the tracker. Step time: the fastest of three untracked steps after those two "
-             "(the machine is shared: times are noisy, compare the ratios).\n\n"
-             "![peak memory](memory.png)")
+    text = ("Model and batch: " + shape + ".\n\n" + markdown_table(saving_rows) + "\n\n"
+            + "".join(note + "\n\n" for note in notes)
+            + "Measured: peak bytes of live tensor storages during the second training step "
+            "(rgc.memory.track, which sees every tensor an operator returns), model built "
+            "inside the tracker. Step time: the fastest of three untracked steps after those two, "
+            f"{torch.get_num_threads()} torch thread(s) (the machine is shared: times are noisy, "
+            "compare the ratios).\n\n![peak memory](memory.png)")
     write_results("memory", rows, title="Training-step memory: measured vs estimated",
-                  notes=notes)
+                  notes=text)
     plot(rows, RESULTS / "memory.png")
-
-
-def _markdown(rows):
-    from benchmarks.common import markdown_table
-
-    return markdown_table(rows)
 
 
 if __name__ == "__main__":
