@@ -39,7 +39,8 @@ from torch.optim import Optimizer
 
 from rgc import dispatch
 from rgc.nn import CompressedLinear, compressed_layer_of
-from rgc.optim.rgc import RGCOptimizer, rounding_seed
+from rgc.optim.base import rounding_seed
+from rgc.optim.rgc import RGCOptimizer
 from rgc.reference.update import write_rows
 from rgc.seeding import derive_seed
 

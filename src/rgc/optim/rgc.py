@@ -9,9 +9,7 @@ from rgc.optim.base import (
     DenseUpdate,
     LowRankUpdate,
     SketchOptimizer,
-    apply_dense_update_,
     check_common_args,
-    rounding_seed,  # noqa: F401  (public here since the first release)
 )
 
 
@@ -40,29 +38,6 @@ def dense_normalized_coef(param: torch.Tensor, grad: torch.Tensor, lr: float) ->
     if g_norm == 0.0 or lr == 0.0:
         return 0.0
     return lr * float(param.to(torch.float32).norm()) / g_norm
-
-
-def lowrank_normalized_update_(weight: torch.Tensor, sketch: torch.Tensor,
-                               projection: torch.Tensor, lr: float, *, seed: int,
-                               chunk_rows: int = 128, stochastic_rounding: bool = True) -> float:
-    """``W <- W - lr * ||W||_F * H / ||H||_F`` with ``H = C P^T`` rebuilt in row chunks.
-
-    Returns the coefficient applied to ``H`` (0.0 when ``H`` is zero: nothing changes).
-    """
-    coef = lowrank_normalized_coef(weight, sketch, projection, lr, chunk_rows=chunk_rows)
-    if coef != 0.0:
-        dispatch.lowrank_update_(weight, sketch, projection, coef, seed=seed,
-                                 chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding)
-    return coef
-
-
-def dense_normalized_update_(param: torch.Tensor, grad: torch.Tensor, lr: float, *, seed: int,
-                             stochastic_rounding: bool = True) -> float:
-    """``p <- p - lr * ||p|| * g / ||g||`` for a parameter with an ordinary gradient."""
-    coef = dense_normalized_coef(param, grad, lr)
-    if coef != 0.0:
-        apply_dense_update_(param, grad, coef, seed=seed, stochastic_rounding=stochastic_rounding)
-    return coef
 
 
 class RGCOptimizer(SketchOptimizer):
