@@ -30,7 +30,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn as nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from rgc.optim.base import DenseUpdate, LowRankUpdate
+from rgc.updates import DenseUpdate, LowRankUpdate, is_zero
 
 SCHEDULES = ("linear", "cosine")
 FORWARD_AD_ATTENTION = ("eager", "sdpa")
@@ -70,9 +70,9 @@ def _lowrank_tangent_hook(update: LowRankUpdate):
         out = fwAD.unpack_dual(output).primal
         xp = x.to(torch.float32) @ projection.to(torch.float32)  # X P: (..., r); no d x k dW
         tangent = (xp @ factor.t()).mul_(-update.coef)
-        if update.decay != 0.0:
+        if not is_zero(update.decay):
             xw = out if module.bias is None else out - fwAD.unpack_dual(module.bias).primal
-            tangent.sub_(xw.to(torch.float32), alpha=update.decay)
+            tangent.sub_(xw.to(torch.float32) * update.decay)
         return output + fwAD.make_dual(torch.zeros_like(out), tangent.to(out.dtype))
 
     return hook
@@ -107,7 +107,7 @@ def logits_jvp(model: nn.Module, inputs, updates, *,
                         raise ValueError("a parameter the optimizer updates is not in the probe "
                                          "model; pass the trained model to set_probe()")
                     t = -u.coef * u.direction.to(torch.float32)
-                    if u.decay != 0.0:
+                    if not is_zero(u.decay):
                         t -= u.decay * u.param.to(torch.float32)
                     dense[names[id(u.param)]] = fwAD.make_dual(u.param, t.to(u.param.dtype))
             try:

@@ -11,7 +11,11 @@ import os
 
 import torch
 
-from rgc.reference import frobenius_norm_reference, lowrank_update_reference
+from rgc.reference import (
+    frobenius_norm_reference,
+    lowrank_update_reference,
+    sum_squares_reference,
+)
 
 IMPLEMENTATIONS = ("torch", "triton")
 
@@ -50,21 +54,31 @@ def implementation_for(tensor: torch.Tensor) -> str:
 
 
 def lowrank_update_(weight, sketch, projection, coef, *, seed, offset=0, chunk_rows=128,
-                    stochastic_rounding=True) -> None:
+                    stochastic_rounding=True, sq_norm_out=None) -> None:
     """``W <- W - coef * C P^T`` in place, on the kernel or the reference path.
 
-    See :func:`rgc.reference.lowrank_update_reference` for the contract.
+    ``coef`` is a float or a 0-dim FP32 tensor on W's device (never read on the host; 0
+    leaves W bit-identical); ``sq_norm_out`` (0-dim FP32 or ``None``) receives
+    ``||W_new||_F^2`` of the stored values. See :func:`rgc.reference.lowrank_update_reference`
+    for the contract.
     """
     if implementation_for(weight) == "triton":
         from rgc.kernels import lowrank_update_
 
+        extra = {} if sq_norm_out is None else {"sq_norm_out": sq_norm_out}
         lowrank_update_(weight, sketch, projection, coef, seed=seed, offset=offset,
-                        stochastic_rounding=stochastic_rounding)
+                        stochastic_rounding=stochastic_rounding, **extra)
     else:
         lowrank_update_reference(weight, sketch, projection, coef, seed=seed, offset=offset,
-                                 chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding)
+                                 chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding,
+                                 sq_norm_out=sq_norm_out)
 
 
 def frobenius_norm(weight, *, chunk_rows=128) -> torch.Tensor:
-    """``||W||_F`` in FP32 without a full FP32 copy of W."""
+    """``||W||_F`` in FP32 without a full FP32 copy of W. 0-dim FP32 on W's device."""
     return frobenius_norm_reference(weight, chunk_rows=chunk_rows)
+
+
+def sum_squares(weight, *, chunk_rows=128) -> torch.Tensor:
+    """``||W||_F^2`` in FP32 without a full FP32 copy of W. 0-dim FP32 on W's device."""
+    return sum_squares_reference(weight, chunk_rows=chunk_rows)

@@ -40,9 +40,9 @@ from torch.optim import Optimizer
 from rgc import dispatch
 from rgc.nn import CompressedLinear, compressed_layer_of
 from rgc.optim.base import rounding_seed
-from rgc.optim.rgc import RGCOptimizer
-from rgc.reference.update import write_rows
+from rgc.optim.rgc import RGCOptimizer, normalized_coef
 from rgc.seeding import derive_seed
+from rgc.updates import apply_dense_update_
 
 try:
     from torch.distributed.tensor import DTensor, Shard
@@ -330,15 +330,6 @@ def _reduce_scatter_rows(items: list[tuple[DTensor, CompressedLinear]], group,
     return local, sent
 
 
-def _sum_squares(t: torch.Tensor, chunk_rows: int) -> torch.Tensor:
-    """Sum of squares in FP32 over row chunks (0-dim), as ``frobenius_norm`` accumulates it."""
-    t2 = t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(-1, 1)
-    total = torch.zeros((), dtype=torch.float32, device=t.device)
-    for start in range(0, t2.shape[0], chunk_rows):
-        total += t2[start:start + chunk_rows].to(torch.float32).square().sum()
-    return total
-
-
 class DistributedRGCOptimizer(RGCOptimizer):
     """:class:`rgc.RGCOptimizer` for data parallel and FSDP2 training on ``torch.distributed``.
 
@@ -445,35 +436,33 @@ class DistributedRGCOptimizer(RGCOptimizer):
                 work.append((index, p, group, None, g_local, start))
             else:
                 continue
-            sums.append(torch.stack([_sum_squares(w_local, group["chunk_rows"]), h2,
-                                     bad.to(torch.float32)]))
+            w_sq = dispatch.sum_squares(w_local, chunk_rows=group["chunk_rows"])
+            sums.append(torch.stack([w_sq, h2, bad.to(torch.float32)]))
         if not work:
             return
         totals = torch.stack(sums)
         dist.all_reduce(totals, group=self._mesh_group)
         self.last_comm_bytes += totals.numel() * totals.element_size()
-        # FP32 square roots, as RGCOptimizer takes them; one device-to-host copy for all.
-        norms = torch.cat([totals[:, :2].sqrt(), totals[:, 2:]], dim=1).tolist()
-        for (index, p, group, layer, local_value, start), (w_norm, h_norm, bad) in zip(
-                work, norms, strict=True):
+        # FP32 square roots, as RGCOptimizer takes them; the coefficients stay on the device
+        norms = totals[:, :2].sqrt()
+        for row, (index, p, group, layer, local_value, start) in enumerate(work):
             state = self._init_state(p, layer)
             state["step"] += 1
+            ok = totals[row, 2] == 0
+            state["skipped"] += ~ok
+            coef, _ = normalized_coef(norms[row, 0], norms[row, 1], group["lr"], ok)
             seed = rounding_seed(group["seed"], index, int(state["step"]))
             w_local = p.to_local()
-            if bad != 0:
-                self._skip(state, "sketch" if layer is not None else "gradient")
-            elif h_norm > 0.0 and group["lr"] != 0.0:
-                coef = group["lr"] * w_norm / h_norm
-                row_len = w_local[0].numel() if w_local.dim() > 1 else 1
-                if layer is not None:
-                    if w_local.shape[0]:
-                        dispatch.lowrank_update_(
-                            w_local, local_value, layer.projection, coef, seed=seed,
-                            offset=start * row_len, chunk_rows=group["chunk_rows"],
-                            stochastic_rounding=group["stochastic_rounding"])
-                else:
-                    new = w_local.to(torch.float32) - coef * local_value.to(torch.float32)
-                    write_rows(w_local, new, seed=seed, offset=start * row_len,
-                               stochastic_rounding=group["stochastic_rounding"])
+            row_len = w_local[0].numel() if w_local.dim() > 1 else 1
+            if layer is not None:
+                if w_local.shape[0]:
+                    dispatch.lowrank_update_(
+                        w_local, local_value, layer.projection, coef, seed=seed,
+                        offset=start * row_len, chunk_rows=group["chunk_rows"],
+                        stochastic_rounding=group["stochastic_rounding"])
+            else:
+                apply_dense_update_(w_local, local_value, coef, seed=seed,
+                                    offset=start * row_len,
+                                    stochastic_rounding=group["stochastic_rounding"])
             if layer is not None:
                 self._finish_layer(p, layer, state)

@@ -30,13 +30,14 @@ import math
 import torch
 import torch.nn as nn
 
-from rgc.optim.base import (
+from rgc.projection import PROJECTION_KINDS, make_projection
+from rgc.updates import (
     DenseUpdate,
     LowRankUpdate,
     apply_dense_update_,
     apply_lowrank_update_,
+    to_host,
 )
-from rgc.projection import PROJECTION_KINDS, make_projection
 
 FORMAT_VERSION = 1
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -48,6 +49,22 @@ _HASH_A, _HASH_B = 1_103_515_245, 12_345
 
 
 @torch.no_grad()
+def fingerprint_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """:func:`fingerprint` as a 0-dim int64 tensor on ``tensor``'s device (no host read)."""
+    if tensor.dtype not in _DTYPES:
+        raise TypeError(f"fingerprint supports {_DTYPES}, got {tensor.dtype}")
+    int_dtype, mask = ((torch.int16, 0xFFFF) if tensor.dtype == torch.bfloat16
+                       else (torch.int32, 0xFFFFFFFF))
+    flat = tensor.detach().contiguous().view(-1).view(int_dtype)
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), _CHUNK):
+        bits = flat[start:start + _CHUNK].to(torch.int64) & mask
+        index = torch.arange(start, start + bits.numel(), dtype=torch.int64, device=bits.device)
+        mult = (index % _PRIME * _HASH_A + _HASH_B) % _PRIME
+        total = (total + (bits * mult % _PRIME).sum()) % _PRIME
+    return total
+
+
 def fingerprint(tensor: torch.Tensor) -> int:
     """A 31-bit hash of ``tensor``'s exact bits (BF16 or FP32), equal on every device.
 
@@ -55,31 +72,31 @@ def fingerprint(tensor: torch.Tensor) -> int:
     elements at a time in int64 (no product reaches 2^63). It detects a receiver that is not
     on the update's base weights; it is not a cryptographic checksum.
     """
-    if tensor.dtype not in _DTYPES:
-        raise TypeError(f"fingerprint supports {_DTYPES}, got {tensor.dtype}")
-    int_dtype, mask = ((torch.int16, 0xFFFF) if tensor.dtype == torch.bfloat16
-                       else (torch.int32, 0xFFFFFFFF))
-    flat = tensor.detach().contiguous().view(-1).view(int_dtype)
-    total = 0
-    for start in range(0, flat.numel(), _CHUNK):
-        bits = flat[start:start + _CHUNK].to(torch.int64) & mask
-        index = torch.arange(start, start + bits.numel(), dtype=torch.int64, device=bits.device)
-        mult = (index % _PRIME * _HASH_A + _HASH_B) % _PRIME
-        total = (total + int((bits * mult % _PRIME).sum())) % _PRIME
-    return total
+    return int(fingerprint_tensor(tensor))
+
+
+def _float64(value) -> torch.Tensor:
+    if torch.is_tensor(value):
+        return value.detach().to("cpu", torch.float64).reshape(())
+    return torch.tensor(value, dtype=torch.float64)
 
 
 def build_payload(model: nn.Module, records, step: int) -> dict[str, torch.Tensor]:
     """The payload of one step from the optimizer's kept updates.
 
-    ``records``: ``[(update, fingerprint before, projection seed or None), ...]``.
+    ``records``: ``[(update, fingerprint before (int or 0-dim tensor), projection seed or
+    None), ...]``. Records whose ``active`` flag is false (skipped for a non-finite input, or
+    no direction) are left out: the receiver's tensor stays as it is, as the trainer's did.
 
     Use :meth:`rgc.RGCOptimizer.export_update` / :meth:`rgc.RowAdam.export_update`.
     """
+    active = to_host([update.active for update, _, _ in records])
+    records = [r for r, keep in zip(records, active, strict=True) if keep]
+    bases = to_host([base for _, base, _ in records])
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     payload = {"rgc/format": torch.tensor([FORMAT_VERSION], dtype=torch.int64),
                "rgc/step": torch.tensor(step, dtype=torch.int64)}
-    for update, base, projection_seed in records:
+    for (update, _, projection_seed), base in zip(records, bases, strict=True):
         name = names.get(id(update.param))
         if name is None:
             raise ValueError("an updated parameter is not a parameter of the given model; pass "
@@ -96,8 +113,8 @@ def build_payload(model: nn.Module, records, step: int) -> dict[str, torch.Tenso
         else:
             assert isinstance(update, DenseUpdate)
             payload[f"{name}/direction"] = update.direction.detach().to("cpu", torch.float32)
-        payload[f"{name}/coef"] = torch.tensor(update.coef, dtype=torch.float64)
-        payload[f"{name}/decay"] = torch.tensor(update.decay, dtype=torch.float64)
+        payload[f"{name}/coef"] = _float64(update.coef)
+        payload[f"{name}/decay"] = _float64(update.decay)
         payload[f"{name}/seed"] = torch.tensor(update.seed, dtype=torch.int64)
         payload[f"{name}/options"] = torch.tensor(options, dtype=torch.int64)
         payload[f"{name}/base"] = torch.tensor(base, dtype=torch.int64)
@@ -177,8 +194,7 @@ def _check_entry(name: str, entry: dict, target: torch.Tensor) -> dict:
                              f"{tuple(direction.shape)} does not fit the receiver's parameter "
                              f"{tuple(target.shape)}")
         plan["direction"] = direction
-    tensors = [plan.get("factor", plan.get("direction"))]
-    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+    if not bool(torch.isfinite(plan.get("factor", plan.get("direction"))).all()):
         raise ValueError(f"payload entry for {name!r} holds non-finite values")
     base = _scalar(entry, name, "base", torch.int64)
     if fingerprint(target) != base:

@@ -11,85 +11,18 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
 
 import torch
 from torch.optim import Optimizer
 
 from rgc import dispatch
 from rgc.nn import CompressedLinear, compressed_layer_of
-from rgc.reference.update import write_rows
 from rgc.seeding import derive_seed
+from rgc.sync import build_payload, fingerprint_tensor
+from rgc.updates import DenseUpdate, LowRankUpdate, apply_update_record, scale_update, to_host
 
-
-@dataclass
-class LowRankUpdate:
-    """``W <- W (1 - decay) - coef * U P^T`` for the weight of a CompressedLinear.
-
-    ``factor`` is U (d x r FP32); P is the layer's current projection (k x r).
-    """
-
-    param: torch.Tensor
-    layer: CompressedLinear
-    factor: torch.Tensor
-    coef: float
-    decay: float
-    seed: int
-    chunk_rows: int
-    stochastic_rounding: bool
-
-
-@dataclass
-class DenseUpdate:
-    """``p <- p (1 - decay) - coef * direction`` for a parameter with an ordinary gradient.
-
-    ``direction`` has ``p``'s shape (any float dtype; used in FP32).
-    """
-
-    param: torch.Tensor
-    direction: torch.Tensor
-    coef: float
-    decay: float
-    seed: int
-    stochastic_rounding: bool
-
-
-def decay_weight_(weight: torch.Tensor, factor: float, *, seed: int, chunk_rows: int = 128,
-                  stochastic_rounding: bool = True) -> None:
-    """``W <- factor * W`` in place, ``chunk_rows`` rows at a time, with the rounding convention
-    of :func:`rgc.reference.lowrank_update_reference` (flat index ``i*k + j``)."""
-    rows2 = weight.reshape(weight.shape[0], -1) if weight.dim() > 1 else weight.reshape(1, -1)
-    k = rows2.shape[1]
-    for start in range(0, rows2.shape[0], chunk_rows):
-        rows = rows2[start:start + chunk_rows]
-        write_rows(rows, rows.to(torch.float32) * factor, seed=seed, offset=start * k,
-                   stochastic_rounding=stochastic_rounding)
-
-
-def apply_lowrank_update_(weight: torch.Tensor, factor: torch.Tensor, projection: torch.Tensor,
-                          coef: float, *, decay: float = 0.0, seed: int, chunk_rows: int = 128,
-                          stochastic_rounding: bool = True) -> None:
-    """``W <- W (1 - decay) - coef * U P^T`` in place (W: d x k, U: d x r FP32, P: k x r).
-
-    The decay (when non-zero) is its own rounded pass, keyed by ``derive_seed(seed, 'decay')``;
-    the low-rank part goes through :func:`rgc.dispatch.lowrank_update_` keyed by ``seed``.
-    """
-    if decay != 0.0:
-        decay_weight_(weight, 1.0 - decay, seed=derive_seed(seed, "decay"),
-                      chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding)
-    if coef != 0.0:
-        dispatch.lowrank_update_(weight, factor, projection, coef, seed=seed,
-                                 chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding)
-
-
-def apply_dense_update_(param: torch.Tensor, direction: torch.Tensor, coef: float, *,
-                        decay: float = 0.0, seed: int, stochastic_rounding: bool = True) -> None:
-    """``p <- p (1 - decay) - coef * direction`` in FP32, then one (rounded) write."""
-    p32 = param.to(torch.float32)
-    if decay != 0.0:
-        p32 = p32 * (1.0 - decay)
-    write_rows(param, p32 - coef * direction.to(torch.float32), seed=seed, offset=0,
-               stochastic_rounding=stochastic_rounding)
+__all__ = ["DenseUpdate", "LowRankUpdate", "SketchOptimizer", "check_common_args",
+           "rounding_seed"]
 
 
 def rounding_seed(seed: int, param_index: int, step: int) -> int:
@@ -111,6 +44,13 @@ class SketchOptimizer(Optimizer):
     """Base of the rgc optimizers. Subclasses implement ``_propose_lowrank`` and
     ``_propose_dense`` (return an update or ``None`` for "no change"), and may override
     ``_refresh`` to carry state into a new projection.
+
+    ``step()`` reads nothing on the host unless a step controller is set: the finiteness test
+    of each sketch or gradient is a 0-dim bool tensor ``ok`` handed to the proposal, whose
+    coefficients are 0 on the device where it is false (the weight then stays bit-identical),
+    and ``state[p]['skipped']`` is a 0-dim int64 counter on the parameter's device. Read the
+    counters with :meth:`skipped_updates` (or ``state_dict()``, which stores them as ints).
+    With a controller, the active flags of all proposals are read once per step.
 
     Args (beyond torch.optim's ``params`` and ``defaults``):
         step_control: ``None`` or a controller with ``scale(optimizer, updates) -> float``,
@@ -139,10 +79,13 @@ class SketchOptimizer(Optimizer):
         self._warned_nonfinite = False
 
     # -- subclass interface -------------------------------------------------------------
-    def _propose_lowrank(self, p, layer, group, state, seed) -> LowRankUpdate | None:
+    def _propose_lowrank(self, p, layer, group, state, seed, ok) -> LowRankUpdate | None:
+        """The update of a compressed weight; ``ok`` (0-dim bool) is false for a non-finite
+        sketch, and the update's coefficients must then be 0 (and its ``active`` false)."""
         raise NotImplementedError
 
-    def _propose_dense(self, p, group, state, seed) -> DenseUpdate | None:
+    def _propose_dense(self, p, group, state, seed, ok) -> DenseUpdate | None:
+        """As :meth:`_propose_lowrank`, for a parameter with a dense ``.grad``."""
         raise NotImplementedError
 
     def _refresh(self, p, layer: CompressedLinear, state: dict) -> None:
@@ -150,8 +93,10 @@ class SketchOptimizer(Optimizer):
 
     # -- shared machinery ---------------------------------------------------------------
     def _init_state(self, p: torch.Tensor, layer: CompressedLinear | None) -> dict:
-        # Python ints, not tensors: Optimizer.load_state_dict casts tensor state to the
-        # parameter's dtype, which would corrupt 63-bit seeds stored in a BF16 parameter's state.
+        # Seeds and step counts are Python ints, not tensors: Optimizer.load_state_dict casts
+        # tensor state to the parameter's dtype, which would corrupt 63-bit seeds stored in a
+        # BF16 parameter's state. 'skipped' is a device counter (stored as an int by
+        # state_dict()); a Python int from a loaded state dict becomes one here.
         state = self.state[p]
         if not state:
             state["step"] = 0
@@ -159,15 +104,50 @@ class SketchOptimizer(Optimizer):
             if layer is not None:
                 state["layer_seed"] = layer.seed
                 state["projection_version"] = layer.projection_version
+        if not torch.is_tensor(state["skipped"]):
+            state["skipped"] = torch.tensor(int(state["skipped"]), dtype=torch.int64,
+                                            device=p.device)
         return state
 
-    def _skip(self, state: dict, what: str) -> None:
-        state["skipped"] += 1
-        if not self._warned_nonfinite:
-            warnings.warn(f"non-finite {what}: the update of that parameter was skipped and its "
-                          "weight left unchanged (counted in state['skipped']); this warning is "
-                          "shown once", RuntimeWarning, stacklevel=4)
+    def _finite(self, state: dict, values: torch.Tensor) -> torch.Tensor:
+        """0-dim bool: all of ``values`` finite; counts a skip in ``state`` otherwise."""
+        ok = torch.isfinite(values).all()
+        state["skipped"] += ~ok
+        return ok
+
+    def skipped_updates(self) -> int:
+        """Updates skipped so far for a non-finite sketch or gradient, over all parameters.
+
+        Reads the device counters (one copy per device); ``int(state[p]['skipped'])`` gives
+        one parameter's count. Warns once when the count is first seen non-zero.
+        """
+        counts = to_host([s["skipped"] for s in self.state.values() if "skipped" in s])
+        total = sum(int(c) for c in counts)
+        self._warn_skipped(total)
+        return total
+
+    def _warn_skipped(self, total: int) -> None:
+        if total and not self._warned_nonfinite:
+            warnings.warn(f"non-finite sketch or gradient: {total} update(s) were skipped and "
+                          "their weights left unchanged (counted in state[p]['skipped']); this "
+                          "warning is shown once", RuntimeWarning, stacklevel=3)
             self._warned_nonfinite = True
+
+    def _cached_sq_norm(self, p: torch.Tensor, state: dict, chunk_rows: int) -> torch.Tensor:
+        """``||p||_F^2`` (0-dim FP32) for an update that will also refresh it.
+
+        The previous update wrote ``state['weight_sq_norm']`` from the values it stored; it is
+        used while ``p`` has not been written since (its version counter is unchanged since that
+        update or since ``load_state_dict``), else it is recomputed from ``p`` (one read).
+        """
+        cached = state.get("weight_sq_norm")
+        if cached is None or state.get("weight_sq_norm_version") != p._version:
+            fresh = dispatch.sum_squares(p, chunk_rows=chunk_rows)
+            if cached is None:
+                state["weight_sq_norm"] = fresh
+            else:
+                cached.copy_(fresh)
+        return state["weight_sq_norm"]
 
     def _finish_layer(self, p, layer: CompressedLinear, state: dict) -> None:
         layer.zero_sketch(set_to_none=False)
@@ -179,26 +159,17 @@ class SketchOptimizer(Optimizer):
     def _apply(self, update, alpha: float, records: list | None) -> None:
         if update is None:
             return
-        if alpha != 1.0:
-            update.coef *= alpha
-            update.decay *= alpha
+        scale_update(update, alpha)
         if records is not None:
-            from rgc.sync import fingerprint
-
-            base = fingerprint(update.param)
+            base = fingerprint_tensor(update.param)
             projection_seed = getattr(getattr(update, "layer", None), "projection_seed", None)
-        if isinstance(update, LowRankUpdate):
-            apply_lowrank_update_(update.param, update.factor, update.layer.projection,
-                                  update.coef, decay=update.decay, seed=update.seed,
-                                  chunk_rows=update.chunk_rows,
-                                  stochastic_rounding=update.stochastic_rounding)
-            if records is not None:
+        apply_update_record(update)
+        if getattr(update, "sq_norm_out", None) is not None:
+            self.state[update.param]["weight_sq_norm_version"] = update.param._version
+        if records is not None:
+            if isinstance(update, LowRankUpdate):
                 # the sketch is zeroed in place next; the record needs its own copy
                 update.factor = update.factor.clone()
-        else:
-            apply_dense_update_(update.param, update.direction, update.coef, decay=update.decay,
-                                seed=update.seed, stochastic_rounding=update.stochastic_rounding)
-        if records is not None:
             records.append((update, base, projection_seed))
 
     @torch.no_grad()
@@ -229,6 +200,10 @@ class SketchOptimizer(Optimizer):
                 else:
                     pending.append(item)
         if control is not None:
+            # the one host read of the step's proposals: which of them are active
+            active = to_host([u.active if u is not None else False for u, _ in pending])
+            pending = [(u if a else None, finish) for (u, finish), a in
+                       zip(pending, active, strict=True)]
             updates = [u for u, _ in pending if u is not None]
             alpha = float(control.scale(self, updates)) if updates else 1.0
             for item in pending:
@@ -240,27 +215,19 @@ class SketchOptimizer(Optimizer):
         return loss
 
     def _gather_compressed(self, p, layer: CompressedLinear, group: dict, index: int):
-        """Count the step and propose (``None`` for a non-finite sketch, counted as skipped)."""
+        """Count the step and propose (a non-finite sketch: coefficients 0, counted)."""
         state = self._init_state(p, layer)
         state["step"] += 1
-        update = None
-        if bool(torch.isfinite(layer.sketch).all()):
-            seed = rounding_seed(group["seed"], index, state["step"])
-            update = self._propose_lowrank(p, layer, group, state, seed)
-        else:
-            self._skip(state, "sketch")
-        return update, (p, layer, state)
+        ok = self._finite(state, layer.sketch)
+        seed = rounding_seed(group["seed"], index, state["step"])
+        return self._propose_lowrank(p, layer, group, state, seed, ok), (p, layer, state)
 
     def _gather_dense(self, p, group: dict, index: int):
         state = self._init_state(p, None)
         state["step"] += 1
-        update = None
-        if bool(torch.isfinite(p.grad).all()):
-            update = self._propose_dense(p, group, state,
-                                         rounding_seed(group["seed"], index, state["step"]))
-        else:
-            self._skip(state, "gradient")
-        return update, None
+        ok = self._finite(state, p.grad)
+        seed = rounding_seed(group["seed"], index, state["step"])
+        return self._propose_dense(p, group, state, seed, ok), None
 
     def _step_compressed(self, p, layer: CompressedLinear, group: dict, index: int) -> None:
         """The whole update of one compressed weight, without step control or records."""
@@ -282,8 +249,6 @@ class SketchOptimizer(Optimizer):
         ``model`` names the parameters (``model.named_parameters()``). Needs
         ``keep_updates=True`` and a completed ``step()``.
         """
-        from rgc.sync import build_payload
-
         if not self.keep_updates:
             raise RuntimeError(f"export_update() needs {type(self).__name__}(..., "
                                "keep_updates=True): the factors of a step are not kept otherwise")
@@ -301,7 +266,18 @@ class SketchOptimizer(Optimizer):
                     layer.zero_sketch(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
+        """torch.optim's state dict, with the device counters ``skipped`` read as ints (one
+        copy per device) and ``rgc_steps_taken``. ``weight_sq_norm`` (RGCOptimizer's cached
+        ``||W||^2``) is kept as the FP32 tensor it is, so a resumed run uses the same bits."""
         sd = super().state_dict()
+        entries = [(k, v) for k, v in sd["state"].items() if "skipped" in v]
+        counts = to_host([v["skipped"] for _, v in entries])
+        self._warn_skipped(sum(int(c) for c in counts))
+        state = dict(sd["state"])
+        for (key, value), count in zip(entries, counts, strict=True):
+            state[key] = {k: v for k, v in value.items() if k != "weight_sq_norm_version"}
+            state[key]["skipped"] = int(count)
+        sd["state"] = state
         sd["rgc_steps_taken"] = self.steps_taken
         return sd
 
@@ -325,6 +301,9 @@ class SketchOptimizer(Optimizer):
             for key, value in saved[pid].items():
                 if torch.is_tensor(value):
                     state[key] = value.to(device=p.device, copy=True)
+            if "weight_sq_norm" in state:
+                # the saved norm belongs to the weights loaded with it (load them first)
+                state["weight_sq_norm_version"] = p._version
             layer = compressed_layer_of(p)
             if layer is not None and "projection_version" in state:
                 layer.seed = state["layer_seed"]

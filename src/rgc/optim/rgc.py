@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from rgc import dispatch
-from rgc.optim.base import (
-    DenseUpdate,
-    LowRankUpdate,
-    SketchOptimizer,
-    check_common_args,
-)
+from rgc.optim.base import SketchOptimizer, check_common_args
+from rgc.updates import DenseUpdate, LowRankUpdate
 
 
 def sketch_norm(sketch: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
@@ -23,21 +18,14 @@ def sketch_norm(sketch: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     return ((sketch @ gram) * sketch).sum().clamp_min(0).sqrt()
 
 
-def lowrank_normalized_coef(weight: torch.Tensor, sketch: torch.Tensor,
-                            projection: torch.Tensor, lr: float, *, chunk_rows: int = 128) -> float:
-    """``lr * ||W||_F / ||C P^T||_F``, or 0.0 when ``H = C P^T`` is zero or ``lr`` is 0."""
-    h_norm = float(sketch_norm(sketch, projection))
-    if h_norm == 0.0 or lr == 0.0:
-        return 0.0
-    return lr * float(dispatch.frobenius_norm(weight, chunk_rows=chunk_rows)) / h_norm
+def normalized_coef(weight_norm: torch.Tensor, direction_norm: torch.Tensor, lr,
+                    ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(coef, active)`` on the device: ``coef = lr * ||W|| / ||H||`` where ``active``, else 0.
 
-
-def dense_normalized_coef(param: torch.Tensor, grad: torch.Tensor, lr: float) -> float:
-    """``lr * ||p|| / ||g||``, or 0.0 when ``g`` is zero or ``lr`` is 0."""
-    g_norm = float(grad.to(torch.float32).norm())
-    if g_norm == 0.0 or lr == 0.0:
-        return 0.0
-    return lr * float(param.to(torch.float32).norm()) / g_norm
+    ``active = ok & (||H|| > 0) & (lr != 0)``; all 0-dim (FP32, bool), nothing read on the host.
+    """
+    active = ok & (direction_norm > 0) & (lr != 0)
+    return torch.where(active, lr * weight_norm / direction_norm, 0.0), active
 
 
 class RGCOptimizer(SketchOptimizer):
@@ -55,10 +43,15 @@ class RGCOptimizer(SketchOptimizer):
     ``.grad`` gets the same normalised rule from its gradient (a parameter that is exactly zero,
     such as a fresh bias, therefore never moves: put it in a torch optimizer instead).
 
-    There is no state per element: per parameter a step count, a count of skipped updates,
-    and the layer's seed and projection version, all Python ints. A non-finite sketch or
-    gradient skips that update, leaves the weight untouched, warns once and increments
-    ``state[p]['skipped']``.
+    There is no state per element: per parameter a step count, the layer's seed and projection
+    version (Python ints), a device counter of skipped updates, and for a compressed weight
+    ``weight_sq_norm``, ``||W||_F^2`` (0-dim FP32) of the values the last update stored: the
+    update produces it, so the next step does not read W again to get ``||W||``. It is saved in
+    the state dict (a resumed run uses the same bits); after W is written by anything else it
+    is recomputed from W. ``step()`` reads nothing on the host: a non-finite sketch or gradient
+    makes the coefficient 0 on the device, which leaves the weight bit-identical, and
+    increments ``state[p]['skipped']``; :meth:`skipped_updates` reads the counts (and warns
+    once when one is non-zero).
 
     Args:
         params: iterable of parameters or param groups (as torch.optim).
@@ -81,16 +74,15 @@ class RGCOptimizer(SketchOptimizer):
                         seed=seed)
         super().__init__(params, defaults, step_control=step_control, keep_updates=keep_updates)
 
-    def _propose_lowrank(self, p, layer, group, state, seed) -> LowRankUpdate | None:
-        coef = lowrank_normalized_coef(p, layer.sketch, layer.projection, group["lr"],
-                                       chunk_rows=group["chunk_rows"])
-        if coef == 0.0:
-            return None
-        return LowRankUpdate(p, layer, layer.sketch, coef, 0.0, seed, group["chunk_rows"],
-                             group["stochastic_rounding"])
+    def _propose_lowrank(self, p, layer, group, state, seed, ok) -> LowRankUpdate:
+        chunk_rows = group["chunk_rows"]
+        sq_norm = self._cached_sq_norm(p, state, chunk_rows)
+        coef, active = normalized_coef(sq_norm.sqrt(), sketch_norm(layer.sketch, layer.projection),
+                                       group["lr"], ok)
+        return LowRankUpdate(p, layer, layer.sketch, coef, 0.0, seed, chunk_rows,
+                             group["stochastic_rounding"], active, sq_norm_out=sq_norm)
 
-    def _propose_dense(self, p, group, state, seed) -> DenseUpdate | None:
-        coef = dense_normalized_coef(p, p.grad, group["lr"])
-        if coef == 0.0:
-            return None
-        return DenseUpdate(p, p.grad, coef, 0.0, seed, group["stochastic_rounding"])
+    def _propose_dense(self, p, group, state, seed, ok) -> DenseUpdate:
+        coef, active = normalized_coef(p.to(torch.float32).norm(),
+                                       p.grad.to(torch.float32).norm(), group["lr"], ok)
+        return DenseUpdate(p, p.grad, coef, 0.0, seed, group["stochastic_rounding"], active)

@@ -7,7 +7,8 @@ import math
 import torch
 
 from rgc.nn import CompressedLinear
-from rgc.optim.base import DenseUpdate, LowRankUpdate, SketchOptimizer, check_common_args
+from rgc.optim.base import SketchOptimizer, check_common_args
+from rgc.updates import DenseUpdate, LowRankUpdate
 
 
 def carry_moment(moment: torch.Tensor, old_projection: torch.Tensor,
@@ -54,6 +55,8 @@ class RowAdam(SketchOptimizer):
 
     A non-finite sketch or gradient skips the update (moments untouched, weight unchanged,
     ``state[p]['skipped']`` counts it); ``t`` counts applied updates (``step - skipped``).
+    ``step()`` decides this on the device (selects, coefficients 0) and reads nothing on the
+    host; :meth:`skipped_updates` reads the counts.
 
     Args:
         params: parameters or param groups (as torch.optim).
@@ -67,6 +70,7 @@ class RowAdam(SketchOptimizer):
 
     State per compressed weight: ``exp_avg`` (d x r FP32), ``exp_avg_sq`` (d FP32), step
     counters, layer seed and projection version; ``state_dict`` round-trips bit-exactly.
+    The weight decay, when non-zero, stays a pass over W of its own.
     """
 
     def __init__(self, params, lr: float, *, betas: tuple[float, float] = (0.9, 0.999),
@@ -87,33 +91,45 @@ class RowAdam(SketchOptimizer):
         super().__init__(params, defaults, step_control=step_control, keep_updates=keep_updates)
 
     @staticmethod
-    def _moments(state: dict, group: dict, grad: torch.Tensor, row_mean_square: bool):
-        """Update ``exp_avg``/``exp_avg_sq`` from ``grad``; return the Adam direction."""
+    def _moments(state: dict, group: dict, grad: torch.Tensor, row_mean_square: bool,
+                 ok: torch.Tensor):
+        """Update ``exp_avg``/``exp_avg_sq`` from ``grad`` where ``ok`` (0-dim bool; the
+        moments are selected unchanged otherwise); return the Adam direction (not finite
+        when ``ok`` is false: its coefficient is then 0)."""
         beta1, beta2 = group["betas"]
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(grad, dtype=torch.float32)
             shape = grad.shape[:1] if row_mean_square else grad.shape
             state["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=grad.device)
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        t = state["step"] - state["skipped"]
+        # applied updates, this one included when ok; float64 as Python's beta ** t was
+        t = (state["step"] - state["skipped"]).to(torch.float64)
         g = grad.to(torch.float32)
-        m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+        m.copy_(torch.where(ok, m.mul(beta1).add_(g, alpha=1.0 - beta1), m))
         g2 = g.square().mean(dim=1) if row_mean_square else g.square()
-        v.mul_(beta2).add_(g2, alpha=1.0 - beta2)
+        v.copy_(torch.where(ok, v.mul(beta2).add_(g2, alpha=1.0 - beta2), v))
         denom = (v / (1.0 - beta2 ** t)).sqrt_().add_(group["eps"])
         if row_mean_square:
             denom = denom[:, None]
         return (m / (1.0 - beta1 ** t)).div_(denom)
 
-    def _propose_lowrank(self, p, layer, group, state, seed) -> LowRankUpdate | None:
-        factor = self._moments(state, group, layer.sketch, row_mean_square=True)
-        return LowRankUpdate(p, layer, factor, group["lr"], group["lr"] * group["weight_decay"],
-                             seed, group["chunk_rows"], group["stochastic_rounding"])
+    @staticmethod
+    def _coefs(group: dict, ok: torch.Tensor):
+        """``(coef, decay)``: ``lr`` and ``lr * weight_decay`` where ``ok``, else 0 (device)."""
+        lr, wd = group["lr"], group["weight_decay"]
+        decay = torch.where(ok, lr * wd, 0.0) if wd != 0.0 else 0.0
+        return torch.where(ok, lr, 0.0), decay
 
-    def _propose_dense(self, p, group, state, seed) -> DenseUpdate | None:
-        direction = self._moments(state, group, p.grad, row_mean_square=False)
-        return DenseUpdate(p, direction, group["lr"], group["lr"] * group["weight_decay"], seed,
-                           group["stochastic_rounding"])
+    def _propose_lowrank(self, p, layer, group, state, seed, ok) -> LowRankUpdate:
+        factor = self._moments(state, group, layer.sketch, True, ok)
+        coef, decay = self._coefs(group, ok)
+        return LowRankUpdate(p, layer, factor, coef, decay, seed, group["chunk_rows"],
+                             group["stochastic_rounding"], ok)
+
+    def _propose_dense(self, p, group, state, seed, ok) -> DenseUpdate:
+        direction = self._moments(state, group, p.grad, False, ok)
+        coef, decay = self._coefs(group, ok)
+        return DenseUpdate(p, direction, coef, decay, seed, group["stochastic_rounding"], ok)
 
     def _refresh(self, p, layer: CompressedLinear, state: dict) -> None:
         old = layer.projection.clone()

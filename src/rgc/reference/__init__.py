@@ -4,6 +4,10 @@ Each function here has a Triton twin in :mod:`rgc.kernels` with the same signatu
 :mod:`rgc.dispatch` picks one.
 """
 
-from rgc.reference.update import frobenius_norm_reference, lowrank_update_reference
+from rgc.reference.update import (
+    frobenius_norm_reference,
+    lowrank_update_reference,
+    sum_squares_reference,
+)
 
-__all__ = ["frobenius_norm_reference", "lowrank_update_reference"]
+__all__ = ["frobenius_norm_reference", "lowrank_update_reference", "sum_squares_reference"]
