@@ -46,6 +46,10 @@ FP32 = 4
 #: torch 2.13; ``tests/test_memory_estimate.py`` checks whole steps.
 UPDATE_BYTES_PER_CHUNK_ELEMENT = 14
 
+#: The step's device scalars of one layer (an FP32 coefficient and a bool flag, 0-dim, live
+#: until its projection is refreshed), rounded up to two CUDA allocator blocks of 512 bytes.
+UPDATE_SCALAR_BYTES = 1024
+
 
 @dataclass(frozen=True)
 class LinearShape:
@@ -329,8 +333,9 @@ def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
     :data:`UPDATE_BYTES_PER_CHUNK_ELEMENT` per chunk element); regenerating P after the step
     (32kr + 8r^2 + 8r).
     """
-    return max(7 * d * r, 4 * k * r + 8 * d * r + 4 * r * r, 8 * min(chunk_rows, d) * k,
-               _update_temp(d, k, r, chunk_rows, implementation), _refresh_temp(k, r))
+    return UPDATE_SCALAR_BYTES + max(
+        7 * d * r, 4 * k * r + 8 * d * r + 4 * r * r, 8 * min(chunk_rows, d) * k,
+        _update_temp(d, k, r, chunk_rows, implementation), _refresh_temp(k, r))
 
 
 def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
@@ -343,8 +348,9 @@ def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
     then the new m beside the old float64 P, 8kr + 12r^2 + 4dr).
     """
     carry = max(16 * k * r + 16 * r * r, 8 * k * r + 12 * r * r + 4 * d * r)
-    return max(7 * d * r, 4 * d * r + max(_update_temp(d, k, r, chunk_rows, implementation),
-                                          2 * k * r + max(_refresh_temp(k, r), carry)))
+    return UPDATE_SCALAR_BYTES + max(
+        7 * d * r, 4 * d * r + max(_update_temp(d, k, r, chunk_rows, implementation),
+                                   2 * k * r + max(_refresh_temp(k, r), carry)))
 
 
 def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
