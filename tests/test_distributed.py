@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import rgc
 from rgc.distributed import DistributedRGCOptimizer, all_reduce_sketches, check_seeds
+from tests.test_step_sync import CountSyncs
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -152,7 +153,7 @@ def _train_worker(rank: int, out: Path, mode: str) -> None:
 
 def _train(rank: int, out: Path, name: str, net: nn.Module) -> None:
     opt = DistributedRGCOptimizer(net.parameters(), lr=LR, seed=5)
-    record = {"pre": [], "post": [], "bytes": [], "largest": 0}
+    record = {"pre": [], "post": [], "bytes": [], "largest": 0, "syncs": []}
     for step in range(STEPS):
         record["pre"].append(full_state(net))
         loss = loss_on(net, step, rank, WORLD)
@@ -162,10 +163,11 @@ def _train(rank: int, out: Path, name: str, net: nn.Module) -> None:
             all_reduce_sketches(net)
             record["sketch"] = net.up_proj.sketch.clone()
             record["projection"] = net.up_proj.projection.clone()
-        with CountCollectives() as count, rgc.memory.track() as in_step:
+        with CountCollectives() as count, rgc.memory.track() as in_step, CountSyncs() as syncs:
             opt.step()
         opt.zero_grad()
         record["bytes"].append(count.calls)
+        record["syncs"].append(dict(syncs.syncs))
         record["largest"] = max([record["largest"]] + [
             math.prod(a.shape) for a in in_backward.allocations + in_step.allocations])
         record["post"].append(full_state(net))
@@ -284,6 +286,13 @@ def test_fsdp2_matches_whole_batch_single_process(runs, name):
     """With and without reshard_after_forward (which frees the gathered weight that backward
     then needs, and gathers it again before backward)."""
     assert_matches_single_process(runs[name])
+
+
+@pytest.mark.parametrize("name", ["dp", "fsdp", "fsdp_reshard"])
+def test_step_reads_no_device_value_on_the_host(runs, name):
+    """No .item()/float()/bool() of a device value in step() on 2 ranks (collectives only)."""
+    for record in runs[name]:
+        assert record["syncs"] == [{}] * STEPS, record["syncs"]
 
 
 def test_fsdp2_never_holds_a_dense_gradient_or_update(runs):
