@@ -213,3 +213,64 @@ def test_constructor_errors():
     frozen = nn.Linear(3, 3).requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameter"):
         RGCOptimizer(frozen.parameters(), lr=0.1)
+
+
+def test_weight_norm_comes_from_the_previous_update_not_a_new_read(monkeypatch):
+    """||W||^2 is produced by the update (equal, bit for bit, to a separate chunked read on the
+    reference path) and only re-read from W when something else wrote W."""
+    from rgc import dispatch
+    from rgc.reference import sum_squares_reference
+
+    layer = one_layer(torch.bfloat16, d=90, k=30, r=4)
+    opt = RGCOptimizer([layer.weight], lr=1e-2, chunk_rows=32)
+    reads = []
+    monkeypatch.setattr(dispatch, "sum_squares",
+                        lambda w, **kw: reads.append(1) or sum_squares_reference(w, **kw))
+    x = torch.randn(8, 30, dtype=torch.bfloat16)
+    for step in range(3):
+        layer(x).float().square().sum().backward()
+        opt.step()
+        cached = opt.state[layer.weight]["weight_sq_norm"]
+        assert cached.dtype == torch.float32
+        assert torch.equal(cached, sum_squares_reference(layer.weight, chunk_rows=32))
+        torch.testing.assert_close(cached.double(), layer.weight.double().square().sum(),
+                                   rtol=1e-5, atol=0)
+        assert len(reads) == 1, step  # the first step only
+    with torch.no_grad():
+        layer.weight.mul_(2)  # written outside the optimizer: the cache is stale
+    w0 = layer.weight.detach().double().clone()
+    layer(x).float().square().sum().backward()
+    h = layer.sketch.double() @ layer.projection.double().T
+    opt.step()
+    assert len(reads) == 2
+    step_size = (layer.weight.double() - w0).norm() / w0.norm()
+    assert abs(step_size - 1e-2) < 1e-3  # tau relative to the new ||W||, not the stale one
+    assert h.norm() > 0
+
+
+def test_older_state_dict_without_cached_norm_resumes_bit_identically():
+    """A state dict from before the cached norm (Python-int counters, no weight_sq_norm): the
+    norm is recomputed from the loaded weights with the reduction the update uses."""
+    batches = [torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(i))
+               for i in range(5)]
+    model = rgc.wrap(TinyBlockLM(dtype=torch.bfloat16), rank=4, seed=7, refresh=2)
+    opt = RGCOptimizer(model.parameters(), lr=1e-2, seed=3)
+    train_steps(model, opt, batches[:2])
+    saved_opt = opt.state_dict()
+    assert all(type(s["skipped"]) is int for s in saved_opt["state"].values())
+    assert not any("weight_sq_norm_version" in s for s in saved_opt["state"].values())
+    assert (sum("weight_sq_norm" in s for s in saved_opt["state"].values())
+            == len(list(rgc.compressed_layers(model))) > 0)
+    old = {**saved_opt, "state": {i: {k: v for k, v in s.items() if k != "weight_sq_norm"}
+                                  for i, s in saved_opt["state"].items()}}
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    train_steps(model, opt, batches[2:])
+
+    resumed = TinyBlockLM(dtype=torch.bfloat16)
+    resumed.load_state_dict(saved_model)
+    rgc.wrap(resumed, rank=4, seed=7, refresh=2)
+    opt2 = RGCOptimizer(resumed.parameters(), lr=1e-2, seed=3)
+    opt2.load_state_dict(old)
+    train_steps(resumed, opt2, batches[2:])
+    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -189,3 +189,27 @@ def test_wrap_presets():
     with pytest.raises(ValueError, match="preset"):
         rgc.wrap(_model(8, 6, 2), 3, preset="galore")
     assert copy.deepcopy(logra)[0].refresh == "never"
+
+
+def test_skipped_update_does_not_count_in_bias_correction():
+    """FP32 weights: a first step skipped for a NaN sketch, then a step with sketch S, moves W
+    exactly as a fresh optimizer's first step with S (t = applied updates = 1 in both)."""
+    def run(skip_first: bool):
+        model = _model(8, 6, 2, bias=False)
+        rgc.wrap(model, 3, targets=["0"], preset="logra", seed=4)
+        opt = rgc.RowAdam(model.parameters(), lr=1e-2, weight_decay=0.1)
+        x, y = _batches(1, 8, 2, seed=3)[0]
+        if skip_first:
+            ((model(x).sum(-1) - y) ** 2).mean().backward()
+            model[0].sketch.fill_(float("nan"))
+            before = model[0].weight.detach().clone()
+            opt.step()
+            assert torch.equal(model[0].weight, before)
+            opt.zero_grad()
+        ((model(x).sum(-1) - y) ** 2).mean().backward()
+        opt.step()
+        return model[0].weight.detach().clone(), opt
+    skipped, opt = run(True)
+    fresh, _ = run(False)
+    assert torch.equal(skipped, fresh)
+    assert int(opt.state[opt.param_groups[0]["params"][0]]["skipped"]) == 1
