@@ -65,7 +65,7 @@ def lowrank_update_reference(weight: torch.Tensor, sketch: torch.Tensor,
         rows = weight[start:start + chunk_rows]
         scaled = torch.where(keep, sketch[start:start + chunk_rows] * c, 0.0)
         h = scaled @ p_t
-        new = torch.sub(rows.to(torch.float32), h, out=h)
+        new = torch.sub(rows, h, out=h)  # in FP32 (type promotion), without an FP32 copy of rows
         stored = write_rows(rows, new, seed=seed, offset=offset + start * k,
                             stochastic_rounding=stochastic_rounding)
         if sq_norm_out is not None:
