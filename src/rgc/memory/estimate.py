@@ -40,11 +40,12 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 FAMILIES = (*LLAMA_FAMILY, "gpt2")
 FP32 = 4
 
-#: Reference-path update, bytes per element of one ``chunk_rows x k`` chunk of H: FP32 rows
-#: (4), FP32 new rows (4), a third FP32 temporary (4) and the BF16 result (2; on the CPU it is
-#: built in numpy, which :func:`rgc.memory.track` does not see). Measured with the tracker on
-#: torch 2.13; ``tests/test_memory_estimate.py`` checks whole steps.
-UPDATE_BYTES_PER_CHUNK_ELEMENT = 14
+#: Reference-path update, bytes per element of one ``chunk_rows x k`` chunk of H: the FP32
+#: new rows (4), one FP32 temporary (4: the rows cast for the subtraction, then the squares of
+#: the stored rows for ``||W_new||^2``) and the BF16 result (2; on the CPU it is built in numpy,
+#: which :func:`rgc.memory.track` does not see). Measured with the tracker on torch 2.13;
+#: ``tests/test_memory_estimate.py`` checks whole steps.
+UPDATE_BYTES_PER_CHUNK_ELEMENT = 10
 
 #: The step's device scalars of one layer (an FP32 coefficient and a bool flag, 0-dim, live
 #: until its projection is refreshed), rounded up to two CUDA allocator blocks of 512 bytes.

@@ -27,8 +27,8 @@ def write_rows(rows: torch.Tensor, new: torch.Tensor, *, seed: int, offset: int,
 def _chunk_sq_sum(values: torch.Tensor) -> torch.Tensor:
     """Sum of squares of one chunk in FP32 (0-dim); the one reduction both functions below use,
     so a recomputed norm equals the one the update produced, bit for bit."""
-    v = values.to(torch.float32)
-    return (v * v).sum()
+    v = values.to(torch.float32, copy=True)
+    return v.mul_(v).sum()
 
 
 @torch.no_grad()
