@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from rgc import dispatch
+from rgc.nn import CompressedLinear
 from rgc.reference.update import write_rows
 from rgc.seeding import derive_seed
 
@@ -39,7 +40,7 @@ class LowRankUpdate:
     """
 
     param: torch.Tensor
-    layer: object  # rgc.nn.CompressedLinear
+    layer: CompressedLinear
     factor: torch.Tensor
     coef: Scalar
     decay: Scalar
