@@ -67,36 +67,57 @@ def _stochastic_round_kernel(x_ptr, out_ptr, numel, offset, s_lo, s_hi,
     tl.store(out_ptr + idx, out, mask=mask)
 
 
+@triton.jit
+def _add(a, b):
+    # tl.sum is a Triton library function (see the note on tl.cdiv below).
+    return a + b
+
+
 @triton.jit(do_not_specialize=["s_lo", "s_hi"])
-def _lowrank_update_kernel(w_ptr, c_ptr, p_ptr, coef, d, k, r,
+def _lowrank_update_kernel(w_ptr, c_ptr, p_ptr, coef_ptr, partial_ptr, d, k, r,
                            stride_wm, stride_wn, stride_cm, stride_cr, stride_pk, stride_pr,
                            offset, s_lo, s_hi,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                            C_PARTS: tl.constexpr, P_PARTS: tl.constexpr,
                            DOT_DTYPE: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """One BLOCK_M x BLOCK_N tile of W: ``W - coef * C P^T`` stored, its sum of squares written.
+
+    ``partial_ptr[program]`` receives the FP32 sum of squares of the tile's stored values.
+    Pointer offsets inside a tile are int32 (the launcher checks that they fit); 64-bit
+    pointers per element would double the registers the tile needs.
+    """
     pid = tl.program_id(0)
     # Not tl.cdiv: Triton's library functions are fixed as compiled or interpreted when Triton
     # is imported, the kernels here only when this module is.
     num_n = (k + BLOCK_N - 1) // BLOCK_N
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < d
-    col_ok = cols < k
+    row0 = (pid // num_n) * BLOCK_M
+    col0 = (pid % num_n) * BLOCK_N
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    rr = tl.arange(0, BLOCK_R)
+    row_ok = rows < d - row0
+    col_ok = cols < k - col0
+    mask = row_ok[:, None] & col_ok[None, :]
+
+    # W first: its load is in flight while the tensor cores form H.
+    w_ptrs = (w_ptr + (row0.to(tl.int64) * stride_wm + col0.to(tl.int64) * stride_wn)
+              + (rows[:, None] * stride_wm + cols[None, :] * stride_wn))
+    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+    coef = tl.load(coef_ptr)
 
     # Tile of H = C P^T. C (and P when FP32) is split into BF16 parts x = x0 + x1 + x2, each
     # part exactly representable, so every product is exact on BF16 tensor cores; the
     # omitted cross terms are below 2**-8 per part of the kept ones (C_PARTS=2: relative
     # error ~2**-16 of |C| |P|^T, C_PARTS=3: ~2**-24, i.e. FP32 accuracy).
+    c_ptrs = (c_ptr + row0.to(tl.int64) * stride_cm
+              + (rows[:, None] * stride_cm + rr[None, :] * stride_cr))
+    p_ptrs = (p_ptr + col0.to(tl.int64) * stride_pk
+              + (cols[None, :] * stride_pk + rr[:, None] * stride_pr))
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for r0 in range(0, r, BLOCK_R):
-        rr = r0 + tl.arange(0, BLOCK_R)
-        rr_ok = rr < r
-        c = tl.load(c_ptr + rows[:, None] * stride_cm + rr[None, :] * stride_cr,
-                    mask=row_ok[:, None] & rr_ok[None, :], other=0.0)
-        p = tl.load(p_ptr + cols[None, :] * stride_pk + rr[:, None] * stride_pr,
-                    mask=col_ok[None, :] & rr_ok[:, None], other=0.0)
+        rr_ok = rr < r - r0
+        c = tl.load(c_ptrs, mask=row_ok[:, None] & rr_ok[None, :], other=0.0)
+        p = tl.load(p_ptrs, mask=col_ok[None, :] & rr_ok[:, None], other=0.0)
         c0 = c.to(tl.bfloat16)
         p0 = p.to(tl.bfloat16)
         acc = tl.dot(c0.to(DOT_DTYPE), p0.to(DOT_DTYPE), acc)
@@ -115,15 +136,15 @@ def _lowrank_update_kernel(w_ptr, c_ptr, p_ptr, coef, d, k, r,
                     acc = tl.dot(c1.to(DOT_DTYPE), p1.to(DOT_DTYPE), acc)
                     p2 = (p_rest - p1.to(tl.float32)).to(tl.bfloat16)
                     acc = tl.dot(c0.to(DOT_DTYPE), p2.to(DOT_DTYPE), acc)
+        c_ptrs += BLOCK_R * stride_cr
+        p_ptrs += BLOCK_R * stride_pr
 
-    w_ptrs = w_ptr + rows[:, None] * stride_wm + cols.to(tl.int64)[None, :] * stride_wn
-    mask = row_ok[:, None] & col_ok[None, :]
-    new = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32) - coef * acc
+    new = w - coef * acc
     if STOCHASTIC:
         # Flat index offset + i*k + j, split into 32-bit halves without a 2-D int64 tile.
-        base = offset + rows * k
+        base = offset + (row0 + rows).to(tl.int64) * k
         base_lo = base.to(tl.uint32)
-        n_lo = base_lo[:, None] + cols.to(tl.uint32)[None, :]
+        n_lo = base_lo[:, None] + (col0 + cols).to(tl.uint32)[None, :]
         carry = (n_lo < base_lo[:, None]).to(tl.uint32)
         n_hi = (base >> 32).to(tl.uint32)[:, None] + carry
         out = _round_bf16(new, n_lo, n_hi, s_lo.to(tl.uint32), s_hi.to(tl.uint32))
@@ -132,7 +153,22 @@ def _lowrank_update_kernel(w_ptr, c_ptr, p_ptr, coef, d, k, r,
         out = _bf16_from_bits(new, 0x7FFF + ((new.to(tl.uint32, bitcast=True) >> 16) & 1))
     else:
         out = new
-    tl.store(w_ptrs, out, mask=mask)
+    # coef == 0 stores nothing, so W keeps its bits even when C or P hold inf/NaN.
+    skip = coef == 0
+    stored = tl.where(mask, tl.where(skip, w, out.to(tl.float32)), 0.0)
+    tl.store(partial_ptr + pid, tl.reduce(tl.reduce(stored * stored, 1, _add), 0, _add))
+    # (A select: the interpreter cannot AND a loaded scalar into a mask.)
+    tl.store(w_ptrs, out, mask=tl.where(skip, False, mask))
+
+
+@triton.jit
+def _sum_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """``out[0] = sum(x[:n])`` in one program, in an order fixed by ``n`` and ``BLOCK``."""
+    idx = tl.arange(0, BLOCK)
+    acc = tl.full((BLOCK,), 0.0, tl.float32)
+    for start in range(0, n, BLOCK):
+        acc += tl.load(x_ptr + start + idx, mask=idx < n - start, other=0.0)
+    tl.store(out_ptr, tl.reduce(acc, 0, _add))
 
 
 ROUND_BLOCK = 1024
@@ -150,36 +186,88 @@ def stochastic_round_triton(out: torch.Tensor, x: torch.Tensor, *, seed: int,
                                    num_warps=4, enable_fp_fusion=True)
 
 
-def default_config(d: int, k: int, r: int, weight_dtype: torch.dtype,
-                   projection_dtype: torch.dtype) -> dict:
-    """Tile sizes and precision of the fused update (what ``lowrank_update_triton`` uses)."""
-    block_r = 16 if r <= 16 else 32 if r <= 32 else 64
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_R=block_r, C_PARTS=3,
-                P_PARTS=1 if projection_dtype == torch.bfloat16 else 3,
-                num_warps=4, num_stages=2)
+# The launch table of the fused update: one configuration for every shape and rank (r is
+# looped over in blocks of BLOCK_R inside the kernel). Chosen so that no configuration spills
+# registers on sm_80, sm_90 or sm_100 (tests/test_kernels_aot.py compiles them all ahead of
+# time and checks; docs/kernels.md has the table and the reasons).
+UPDATE_TILE = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_R=32, C_PARTS=3, num_warps=4, num_stages=2)
+SUM_BLOCK = 2048
 
 
-def lowrank_update_triton(weight: torch.Tensor, sketch: torch.Tensor, projection: torch.Tensor,
-                          coef: float, *, seed: int, offset: int = 0,
-                          stochastic_rounding: bool = True, config: dict | None = None) -> None:
-    """Launch the fused update on validated inputs (see :func:`rgc.kernels.lowrank_update_`).
+def default_config(weight_dtype: torch.dtype, projection_dtype: torch.dtype,
+                   stochastic_rounding: bool = True) -> dict:
+    """Tiles, precision and kernel options of the fused update for these dtypes."""
+    return dict(UPDATE_TILE, P_PARTS=1 if projection_dtype == torch.bfloat16 else 3,
+                STOCHASTIC=bool(stochastic_rounding) and weight_dtype == torch.bfloat16)
 
-    ``config`` overrides entries of :func:`default_config` (used by the benchmarks).
+
+def _check_int32_offsets(name: str, extents: list[tuple[int, int]]) -> None:
+    span = sum((n - 1) * stride for n, stride in extents)
+    if span >= 2**31:
+        raise ValueError(f"{name}'s strides {tuple(s for _, s in extents)} are too large for "
+                         "the kernel's 32-bit offsets within a tile; pass a contiguous copy")
+
+
+def update_launches(weight: torch.Tensor, sketch: torch.Tensor, projection: torch.Tensor,
+                    coef: torch.Tensor, partials: torch.Tensor, sq_norm_out: torch.Tensor | None,
+                    *, seed: int, offset: int, stochastic_rounding: bool,
+                    config: dict | None = None) -> list[tuple]:
+    """The kernel launches of one fused update, as ``(kernel, grid, args, kwargs)``.
+
+    ``coef`` is a 0-dim FP32 tensor; ``partials`` an FP32 buffer of :func:`update_programs`
+    elements. The last launch, present when ``sq_norm_out`` is given, sums ``partials`` into
+    it. ``config`` overrides entries of :func:`default_config` (benchmarks).
+    Used both to run the update and to compile it ahead of time (``rgc.kernels._aot``).
     """
     d, k = weight.shape
     r = sketch.shape[1]
-    if d == 0 or k == 0:
-        return
-    cfg = default_config(d, k, r, weight.dtype, projection.dtype)
+    cfg = default_config(weight.dtype, projection.dtype, stochastic_rounding)
     cfg.update(config or {})
+    _check_int32_offsets("weight", [(cfg["BLOCK_M"], weight.stride(0)),
+                                    (cfg["BLOCK_N"], weight.stride(1))])
+    _check_int32_offsets("sketch", [(cfg["BLOCK_M"], sketch.stride(0)),
+                                    (cfg["BLOCK_R"], sketch.stride(1))])
+    _check_int32_offsets("projection", [(cfg["BLOCK_N"], projection.stride(0)),
+                                        (cfg["BLOCK_R"], projection.stride(1))])
     s_lo, s_hi = seed_words(seed)
-    grid = (triton.cdiv(d, cfg["BLOCK_M"]) * triton.cdiv(k, cfg["BLOCK_N"]),)
-    _lowrank_update_kernel[grid](
-        weight, sketch, projection, float(coef), d, k, r,
-        weight.stride(0), weight.stride(1), sketch.stride(0), sketch.stride(1),
-        projection.stride(0), projection.stride(1), offset, s_lo, s_hi,
-        # The interpreter's tl.dot cannot multiply BF16 operands; FP32 operands holding the
-        # same BF16-exact parts give the same products.
-        DOT_DTYPE=tl.float32 if INTERPRETED else tl.bfloat16,
-        STOCHASTIC=stochastic_rounding and weight.dtype == torch.bfloat16,
-        enable_fp_fusion=True, **cfg)
+    grid = (update_programs(d, k, cfg),)
+    launches = [(_lowrank_update_kernel, grid,
+                 (weight, sketch, projection, coef, partials, d, k, r,
+                  weight.stride(0), weight.stride(1), sketch.stride(0), sketch.stride(1),
+                  projection.stride(0), projection.stride(1), offset, s_lo, s_hi),
+                 # The interpreter's tl.dot cannot multiply BF16 operands; FP32 operands
+                 # holding the same BF16-exact parts give the same products.
+                 dict(DOT_DTYPE=tl.float32 if INTERPRETED else tl.bfloat16,
+                      enable_fp_fusion=True, **cfg))]
+    if sq_norm_out is not None:
+        launches.append((_sum_kernel, (1,), (partials, sq_norm_out, grid[0]),
+                         dict(BLOCK=SUM_BLOCK, num_warps=4)))
+    return launches
+
+
+def update_programs(d: int, k: int, config: dict | None = None) -> int:
+    """Number of programs (tiles of W) of the fused update: the length of its partial sums."""
+    cfg = dict(UPDATE_TILE, **(config or {}))
+    return triton.cdiv(d, cfg["BLOCK_M"]) * triton.cdiv(k, cfg["BLOCK_N"])
+
+
+def lowrank_update_triton(weight: torch.Tensor, sketch: torch.Tensor, projection: torch.Tensor,
+                          coef: torch.Tensor, *, seed: int, offset: int = 0,
+                          stochastic_rounding: bool = True,
+                          sq_norm_out: torch.Tensor | None = None,
+                          config: dict | None = None) -> None:
+    """Launch the fused update on validated inputs (see :func:`rgc.kernels.lowrank_update_`).
+
+    ``coef`` is a 0-dim FP32 tensor on W's device (read by the kernel, never by the host).
+    """
+    d, k = weight.shape
+    if d == 0 or k == 0:
+        if sq_norm_out is not None:
+            sq_norm_out.zero_()
+        return
+    partials = torch.empty(update_programs(d, k, config), dtype=torch.float32,
+                           device=weight.device)
+    for kernel, grid, args, kwargs in update_launches(
+            weight, sketch, projection, coef, partials, sq_norm_out, seed=seed, offset=offset,
+            stochastic_rounding=stochastic_rounding, config=config):
+        kernel[grid](*args, **kwargs)
