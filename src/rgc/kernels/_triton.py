@@ -53,15 +53,22 @@ def _round_bf16(x, n_lo, n_hi, s_lo, s_hi):
     return _bf16_from_bits(x, bits & 0xFFFF)
 
 
-# The hash words are converted with .to(), which a value specialised to a constant (Triton
-# does that for 1) would not have.
-@triton.jit(do_not_specialize=["s_lo", "s_hi"])
-def _stochastic_round_kernel(x_ptr, out_ptr, numel, offset, s_lo, s_hi,
+@triton.jit
+def _join_words(lo, hi):
+    """The int64 whose 32-bit halves are the patterns of int32 ``lo`` and ``hi``."""
+    return (hi.to(tl.uint32).to(tl.int64) << 32) | lo.to(tl.uint32).to(tl.int64)
+
+
+# The seed and offset arrive as 32-bit words passed as int32 patterns (see _words) and are not
+# specialised: every seed and offset runs the same compiled kernel (a value Triton
+# specialised to the constant 1 would also have no .to()).
+@triton.jit(do_not_specialize=["off_lo", "off_hi", "s_lo", "s_hi"])
+def _stochastic_round_kernel(x_ptr, out_ptr, numel, off_lo, off_hi, s_lo, s_hi,
                              BLOCK: tl.constexpr):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < numel
     x = tl.load(x_ptr + idx, mask=mask, other=0.0)
-    n = idx + offset
+    n = idx + _join_words(off_lo, off_hi)
     out = _round_bf16(x, n.to(tl.uint32), (n >> 32).to(tl.uint32), s_lo.to(tl.uint32),
                       s_hi.to(tl.uint32))
     tl.store(out_ptr + idx, out, mask=mask)
@@ -73,10 +80,10 @@ def _add(a, b):
     return a + b
 
 
-@triton.jit(do_not_specialize=["s_lo", "s_hi"])
+@triton.jit(do_not_specialize=["off_lo", "off_hi", "s_lo", "s_hi"])
 def _lowrank_update_kernel(w_ptr, c_ptr, p_ptr, coef_ptr, partial_ptr, d, k, r,
                            stride_wm, stride_wn, stride_cm, stride_cr, stride_pk, stride_pr,
-                           offset, s_lo, s_hi,
+                           off_lo, off_hi, s_lo, s_hi,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                            C_PARTS: tl.constexpr, P_PARTS: tl.constexpr,
                            DOT_DTYPE: tl.constexpr, STOCHASTIC: tl.constexpr):
@@ -99,25 +106,23 @@ def _lowrank_update_kernel(w_ptr, c_ptr, p_ptr, coef_ptr, partial_ptr, d, k, r,
     col_ok = cols < k - col0
     mask = row_ok[:, None] & col_ok[None, :]
 
-    # W first: its load is in flight while the tensor cores form H.
-    w_ptrs = (w_ptr + (row0.to(tl.int64) * stride_wm + col0.to(tl.int64) * stride_wn)
-              + (rows[:, None] * stride_wm + cols[None, :] * stride_wn))
-    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
     coef = tl.load(coef_ptr)
-
     # Tile of H = C P^T. C (and P when FP32) is split into BF16 parts x = x0 + x1 + x2, each
     # part exactly representable, so every product is exact on BF16 tensor cores; the
     # omitted cross terms are below 2**-8 per part of the kept ones (C_PARTS=2: relative
     # error ~2**-16 of |C| |P|^T, C_PARTS=3: ~2**-24, i.e. FP32 accuracy).
-    c_ptrs = (c_ptr + row0.to(tl.int64) * stride_cm
-              + (rows[:, None] * stride_cm + rr[None, :] * stride_cr))
-    p_ptrs = (p_ptr + col0.to(tl.int64) * stride_pk
-              + (cols[None, :] * stride_pk + rr[:, None] * stride_pr))
+    # Only the int32 offsets stay live across the loop; the 64-bit base moves with r0.
+    c_off = rows[:, None] * stride_cm + rr[None, :] * stride_cr
+    p_off = cols[None, :] * stride_pk + rr[:, None] * stride_pr
+    c_base = c_ptr + row0.to(tl.int64) * stride_cm
+    p_base = p_ptr + col0.to(tl.int64) * stride_pk
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for r0 in range(0, r, BLOCK_R):
         rr_ok = rr < r - r0
-        c = tl.load(c_ptrs, mask=row_ok[:, None] & rr_ok[None, :], other=0.0)
-        p = tl.load(p_ptrs, mask=col_ok[None, :] & rr_ok[:, None], other=0.0)
+        c = tl.load(c_base + r0 * stride_cr + c_off, mask=row_ok[:, None] & rr_ok[None, :],
+                    other=0.0)
+        p = tl.load(p_base + r0 * stride_pr + p_off, mask=col_ok[None, :] & rr_ok[:, None],
+                    other=0.0)
         c0 = c.to(tl.bfloat16)
         p0 = p.to(tl.bfloat16)
         acc = tl.dot(c0.to(DOT_DTYPE), p0.to(DOT_DTYPE), acc)
@@ -136,13 +141,16 @@ def _lowrank_update_kernel(w_ptr, c_ptr, p_ptr, coef_ptr, partial_ptr, d, k, r,
                     acc = tl.dot(c1.to(DOT_DTYPE), p1.to(DOT_DTYPE), acc)
                     p2 = (p_rest - p1.to(tl.float32)).to(tl.bfloat16)
                     acc = tl.dot(c0.to(DOT_DTYPE), p2.to(DOT_DTYPE), acc)
-        c_ptrs += BLOCK_R * stride_cr
-        p_ptrs += BLOCK_R * stride_pr
 
+    # W after the loop: its addresses and values are not live while H is formed (other
+    # programs on the SM keep the memory system busy meanwhile).
+    w_ptrs = (w_ptr + (row0.to(tl.int64) * stride_wm + col0.to(tl.int64) * stride_wn)
+              + (rows[:, None] * stride_wm + cols[None, :] * stride_wn))
+    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
     new = w - coef * acc
     if STOCHASTIC:
         # Flat index offset + i*k + j, split into 32-bit halves without a 2-D int64 tile.
-        base = offset + (row0 + rows).to(tl.int64) * k
+        base = _join_words(off_lo, off_hi) + (row0 + rows).to(tl.int64) * k
         base_lo = base.to(tl.uint32)
         n_lo = base_lo[:, None] + (col0 + cols).to(tl.uint32)[None, :]
         carry = (n_lo < base_lo[:, None]).to(tl.uint32)
@@ -174,31 +182,66 @@ def _sum_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 ROUND_BLOCK = 1024
 
 
+def _int32(v: int) -> int:
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def _words(v: int) -> tuple[int, int]:
+    """``(lo, hi)`` 32-bit halves of ``0 <= v < 2**64`` as int32 patterns (always typed i32)."""
+    return _int32(v), _int32(v >> 32)
+
+
+def _seed_words(seed: int) -> tuple[int, int]:
+    return tuple(_int32(w) for w in seed_words(seed))
+
+
+def stochastic_round_launches(out: torch.Tensor, x: torch.Tensor, *, seed: int,
+                              offset: int = 0) -> list[tuple]:
+    """The launch of the rounding kernel as ``[(kernel, grid, args, kwargs)]``."""
+    grid = (triton.cdiv(x.numel(), ROUND_BLOCK),)
+    return [(_stochastic_round_kernel, grid, (x, out, x.numel(), *_words(offset),
+                                              *_seed_words(seed)),
+             dict(BLOCK=ROUND_BLOCK, num_warps=4, enable_fp_fusion=True))]
+
+
 def stochastic_round_triton(out: torch.Tensor, x: torch.Tensor, *, seed: int,
                             offset: int = 0) -> None:
     """Launch the rounding kernel: contiguous FP32 ``x`` -> contiguous BF16 ``out``."""
-    numel = x.numel()
-    if numel == 0:
+    if x.numel() == 0:
         return
-    s_lo, s_hi = seed_words(seed)
-    grid = (triton.cdiv(numel, ROUND_BLOCK),)
-    _stochastic_round_kernel[grid](x, out, numel, offset, s_lo, s_hi, BLOCK=ROUND_BLOCK,
-                                   num_warps=4, enable_fp_fusion=True)
+    for kernel, grid, args, kwargs in stochastic_round_launches(out, x, seed=seed,
+                                                                offset=offset):
+        kernel[grid](*args, **kwargs)
 
 
-# The launch table of the fused update: one configuration for every shape and rank (r is
-# looped over in blocks of BLOCK_R inside the kernel). Chosen so that no configuration spills
-# registers on sm_80, sm_90 or sm_100 (tests/test_kernels_aot.py compiles them all ahead of
-# time and checks; docs/kernels.md has the table and the reasons).
-UPDATE_TILE = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_R=32, C_PARTS=3, num_warps=4, num_stages=2)
+# The launch table of the fused update: one tile shape for every shape and rank (r is looped
+# over in blocks of BLOCK_R inside the kernel), chosen so that no configuration spills
+# registers on sm_80, sm_90 or sm_100; tests/test_kernels_aot.py compiles them all ahead of
+# time and checks, docs/kernels.md has the register table and the reasons.
+UPDATE_TILE = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_R=16, C_PARTS=3, num_warps=8, num_stages=1)
+# Register caps (``maxnreg``): 128 keeps two programs of 8 warps per SM where Triton can
+# vectorise every load; a misaligned layout needs more registers (per-element addresses),
+# and without a cap ptxas may pick 128 and spill (sm_80), so it gets 160.
+MAXNREG_ALIGNED = 128
+MAXNREG_MISALIGNED = 160
 SUM_BLOCK = 2048
 
 
-def default_config(weight_dtype: torch.dtype, projection_dtype: torch.dtype,
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """Whether Triton specialises every size, stride and pointer as 16-divisible (or 1)."""
+    return all(t.data_ptr() % 16 == 0
+               and all(n % 16 == 0 for n in t.shape)
+               and all(s == 1 or s % 16 == 0 for s in t.stride()) for t in tensors)
+
+
+def default_config(weight: torch.Tensor, sketch: torch.Tensor, projection: torch.Tensor,
                    stochastic_rounding: bool = True) -> dict:
-    """Tiles, precision and kernel options of the fused update for these dtypes."""
-    return dict(UPDATE_TILE, P_PARTS=1 if projection_dtype == torch.bfloat16 else 3,
-                STOCHASTIC=bool(stochastic_rounding) and weight_dtype == torch.bfloat16)
+    """Tiles, precision and kernel options of the fused update for these operands."""
+    return dict(UPDATE_TILE, P_PARTS=1 if projection.dtype == torch.bfloat16 else 3,
+                STOCHASTIC=bool(stochastic_rounding) and weight.dtype == torch.bfloat16,
+                maxnreg=(MAXNREG_ALIGNED if _aligned(weight, sketch, projection)
+                         else MAXNREG_MISALIGNED))
 
 
 def _check_int32_offsets(name: str, extents: list[tuple[int, int]]) -> None:
@@ -221,7 +264,7 @@ def update_launches(weight: torch.Tensor, sketch: torch.Tensor, projection: torc
     """
     d, k = weight.shape
     r = sketch.shape[1]
-    cfg = default_config(weight.dtype, projection.dtype, stochastic_rounding)
+    cfg = default_config(weight, sketch, projection, stochastic_rounding)
     cfg.update(config or {})
     _check_int32_offsets("weight", [(cfg["BLOCK_M"], weight.stride(0)),
                                     (cfg["BLOCK_N"], weight.stride(1))])
@@ -229,12 +272,12 @@ def update_launches(weight: torch.Tensor, sketch: torch.Tensor, projection: torc
                                     (cfg["BLOCK_R"], sketch.stride(1))])
     _check_int32_offsets("projection", [(cfg["BLOCK_N"], projection.stride(0)),
                                         (cfg["BLOCK_R"], projection.stride(1))])
-    s_lo, s_hi = seed_words(seed)
     grid = (update_programs(d, k, cfg),)
     launches = [(_lowrank_update_kernel, grid,
                  (weight, sketch, projection, coef, partials, d, k, r,
                   weight.stride(0), weight.stride(1), sketch.stride(0), sketch.stride(1),
-                  projection.stride(0), projection.stride(1), offset, s_lo, s_hi),
+                  projection.stride(0), projection.stride(1), *_words(offset),
+                  *_seed_words(seed)),
                  # The interpreter's tl.dot cannot multiply BF16 operands; FP32 operands
                  # holding the same BF16-exact parts give the same products.
                  dict(DOT_DTYPE=tl.float32 if INTERPRETED else tl.bfloat16,
