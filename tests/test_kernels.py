@@ -6,6 +6,7 @@ module before any kernel runs, and restores both afterwards.
 """
 
 import importlib
+import json
 import math
 import sys
 from pathlib import Path
@@ -263,6 +264,7 @@ def test_sq_norm_out_is_deterministic():
     assert results[0][1] == results[1][1]
 
 
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the interpreter's inf - inf
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("zero", [0.0, -0.0, "tensor"])
 def test_coef_zero_keeps_weight_bits_with_nonfinite_sketch(w_dtype, zero):
@@ -374,3 +376,27 @@ def test_gpu_benchmark_smoke_mode(tmp_path):
     assert all(row["mismatch_vs_torch"] <= MAX_MISMATCH for row in rows)
     for name in ("gpu_kernels_smoke", "gpu_kernels_sweep_smoke"):
         assert "## Environment" in (tmp_path / f"{name}.md").read_text()
+    step = gpu_kernels.main(["--smoke", "--step", "--out", str(tmp_path)])
+    assert [row["r"] for row in step] == gpu_kernels.SMOKE_RANKS
+    assert all(row["rgc_step_ms"] > 0 and row["adamw_fused_step_ms"] > 0 for row in step)
+    assert "## Environment" in (tmp_path / "gpu_step_smoke.md").read_text()
+
+
+def test_step_model_counts():
+    # The model's floor is 4 bytes per projection weight, counted here from the config by
+    # hand; every phase costs bytes and launches; the update moves at least the floor.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import step_model
+
+    config = json.loads((step_model.CONFIGS / "qwen3-1.7b.json").read_text())
+    h, i, q, kv = 2048, 6144, 16 * 128, 8 * 128
+    per_layer = q * h + 2 * kv * h + h * q + 3 * i * h
+    rows = {row["phase"]: row for row in step_model.step_rows("x", config, 64)}
+    assert rows["floor (read + write BF16 W once)"]["GB"] == pytest.approx(
+        4 * 28 * per_layer / 1e9)
+    assert rows["update (fused)"]["GB"] > rows["floor (read + write BF16 W once)"]["GB"]
+    phases = [p for p in rows if p not in ("total RGC step", "floor (read + write BF16 W once)")
+              and not p.startswith("AdamW")]
+    assert len(phases) == 4 and all(rows[p]["launches"] > 0 for p in phases)
+    assert rows["total RGC step"]["launches"] == sum(rows[p]["launches"] for p in phases)
+    assert rows["update (fused)"]["launches"] == 2 * 7 * 28  # update + sum of partials
