@@ -268,10 +268,12 @@ def update_launches(weight: torch.Tensor, sketch: torch.Tensor, projection: torc
     cfg.update(config or {})
     _check_int32_offsets("weight", [(cfg["BLOCK_M"], weight.stride(0)),
                                     (cfg["BLOCK_N"], weight.stride(1))])
+    # The r-loop adds r0 * stride in int32 too.
+    r_span = max(r, cfg["BLOCK_R"])
     _check_int32_offsets("sketch", [(cfg["BLOCK_M"], sketch.stride(0)),
-                                    (cfg["BLOCK_R"], sketch.stride(1))])
+                                    (r_span, sketch.stride(1))])
     _check_int32_offsets("projection", [(cfg["BLOCK_N"], projection.stride(0)),
-                                        (cfg["BLOCK_R"], projection.stride(1))])
+                                        (r_span, projection.stride(1))])
     grid = (update_programs(d, k, cfg),)
     launches = [(_lowrank_update_kernel, grid,
                  (weight, sketch, projection, coef, partials, d, k, r,
