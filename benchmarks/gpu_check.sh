@@ -1,13 +1,51 @@
 #!/usr/bin/env bash
-# One call on a machine with a CUDA GPU: the compiled-kernel tests, then the kernel benchmark
-# (results under benchmarks/results/, or the directory given with --out).
-#   benchmarks/gpu_check.sh [gpu_kernels.py options, e.g. --reps 20 --no-sweep]
-set -euo pipefail
+# One call on a machine with a CUDA GPU runs every GPU check and writes the results under
+# benchmarks/results/ (or DIR with --out DIR):
+#   1. the compiled-kernel tests (tests/test_kernels_gpu.py) and the ahead-of-time spill check
+#      (tests/test_kernels_aot.py), pytest output in gpu_check_tests.txt;
+#   2. the kernel benchmark against copy bandwidth, the torch path and fused AdamW
+#      (gpu_kernels.{md,csv,json}, gpu_kernels_sweep.*);
+#   3. a whole RGCOptimizer.step() on Qwen3-1.7B's projections against
+#      torch.optim.AdamW(fused=True), with host synchronisations counted (gpu_step.*).
+# Every step runs even when an earlier one fails; the exit status is the first failure's.
+#   benchmarks/gpu_check.sh [--out DIR] [--reps N] [--no-sweep]
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(command -v python || command -v python3)}
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET RGC_IMPL
 export TRITON_DEFAULT_FP_FUSION=1
-"$PY" -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
-"$PY" -m pytest tests/test_kernels_gpu.py -q -x -p no:cacheprovider
-"$PY" benchmarks/gpu_kernels.py "$@"
+
+OUT=benchmarks/results
+BENCH_ARGS=()
+STEP_ARGS=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) OUT=$2; shift 2 ;;
+    --reps) BENCH_ARGS+=(--reps "$2"); STEP_ARGS+=(--reps "$2"); shift 2 ;;
+    --no-sweep) BENCH_ARGS+=(--no-sweep); shift ;;
+    *) echo "unknown option $1 (use --out DIR, --reps N, --no-sweep)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$OUT"
+
+status=0
+run() {  # run a step, remember the first failure, keep going
+  echo "== $*"
+  "$@"
+  local rc=$?
+  if [ $rc -ne 0 ]; then
+    echo "== FAILED ($rc): $*"
+    [ $status -eq 0 ] && status=$rc
+  fi
+}
+
+"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
+torch.cuda.get_device_name(), 'CUDA', torch.version.cuda)" || exit 1
+run bash -c "set -o pipefail; '$PY' -m pytest tests/test_kernels_gpu.py tests/test_kernels_aot.py \
+  -q -p no:cacheprovider 2>&1 | tee '$OUT/gpu_check_tests.txt'"
+run "$PY" benchmarks/gpu_kernels.py --out "$OUT" ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
+run "$PY" benchmarks/gpu_kernels.py --step --config benchmarks/configs/qwen3-1.7b.json \
+  --out "$OUT" ${STEP_ARGS[@]+"${STEP_ARGS[@]}"}
+echo "== results in $OUT (status $status)"
+exit $status

@@ -3,14 +3,15 @@
 For W (d x k, BF16) in {4096x4096, 4096x12288, 12288x4096} and r in {64, 128, 256}:
 
 * ``copy``: measured device copy bandwidth (read + write of a 1 GiB buffer): the ceiling;
-* ``fused``: :func:`rgc.kernels.lowrank_update_` (H = C P^T tile by tile on chip, W - coef H
-  in FP32, stochastic rounding, one store); achieved GB/s counts 4 bytes per element
-  (read + write BF16 W) and is given as a fraction of the copy bandwidth (target >= 0.8);
+* ``fused``: :func:`rgc.kernels.lowrank_update_` as the optimizer calls it (H = C P^T tile by
+  tile on chip, W - coef H in FP32, stochastic rounding, one store, ``||W_new||^2`` from the
+  same pass, coef a device tensor); achieved GB/s counts 4 bytes per element (read + write
+  BF16 W) and is given as a fraction of the copy bandwidth (target >= 0.8);
 * ``torch``: :func:`rgc.reference.lowrank_update_reference`, H rebuilt 128 rows at a time
   (target: fused >= 2x faster);
 * ``adamw``: one ``torch.optim.AdamW(fused=True)`` step on a BF16 parameter of the same shape;
-* ``norm``: :func:`rgc.reference.frobenius_norm_reference` (the optimizer's other pass over W,
-  to judge whether fusing ||W||^2 into the update is worth it);
+* ``norm``: :func:`rgc.reference.frobenius_norm_reference`, the separate pass over W that
+  ``sq_norm_out`` saves;
 * ``mismatch_vs_torch``: fraction of elements where the fused and torch paths differ (the
   same seed; they differ only where FP32 summation order moves a value across a rounding
   threshold).
@@ -18,13 +19,26 @@ For W (d x k, BF16) in {4096x4096, 4096x12288, 12288x4096} and r in {64, 128, 25
 A second table sweeps tile sizes and the number of BF16 parts of C (precision vs time).
 Every timing is the median over repetitions with the L2 cache flushed before each.
 
+``--step`` times a whole ``RGCOptimizer.step()`` on the projections of a model config
+(default Qwen3-1.7B: q, k, v, o, gate, up, down of every decoder layer, BF16) against
+``torch.optim.AdamW(fused=True)`` on the same weights, and counts host synchronisations
+(``aten._local_scalar_dense``) inside one RGC step.
+
+``--registers`` (CPU, no GPU needed) compiles every kernel configuration ahead of time for
+sm_80/sm_90/sm_100 and writes the registers and stack bytes of each (the table in
+docs/kernels.md).
+
     python benchmarks/gpu_kernels.py [--reps 20] [--no-sweep] [--out DIR]
-    python benchmarks/gpu_kernels.py --smoke   # tiny shapes on the CPU, Triton interpreter
+    python benchmarks/gpu_kernels.py --step [--config benchmarks/configs/qwen3-1.7b.json]
+    python benchmarks/gpu_kernels.py --registers
+    python benchmarks/gpu_kernels.py --smoke [--step]   # tiny shapes on the CPU, interpreter
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -46,9 +60,13 @@ SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096)]
 RANKS = [64, 128, 256]
 SMOKE_SHAPES = [(48, 80), (33, 130)]
 SMOKE_RANKS = [1, 24]
-SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
-         for bm, bn, w, s in [(64, 128, 4, 2), (128, 128, 8, 2), (64, 256, 8, 2),
-                              (128, 64, 4, 3), (32, 256, 4, 2), (128, 256, 8, 3)]]
+CONFIGS = Path(__file__).resolve().parent / "configs"
+# Tiles around the default (64 x 64, r-block 16, 8 warps, 1 stage); maxnreg None lets ptxas
+# choose (some of these spill: see --registers and docs/kernels.md).
+SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br, num_warps=w, num_stages=s, maxnreg=None)
+         for bm, bn, br, w, s in [(64, 64, 16, 8, 1), (64, 64, 32, 8, 1), (64, 64, 16, 4, 2),
+                                  (32, 64, 16, 8, 1), (128, 64, 16, 8, 1), (64, 128, 16, 8, 1),
+                                  (64, 128, 32, 4, 2), (128, 128, 32, 8, 2)]]
 
 
 class Timer:
@@ -61,21 +79,22 @@ class Timer:
 
     def __call__(self, fn) -> float:
         fn()  # warm-up (compilation, autotuning caches)
-        times = []
-        for _ in range(self.reps):
-            if self.device.type == "cuda":
-                self.flush.zero_()
-                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t)
-        return statistics.median(times)
+        return statistics.median(self.once(fn) for _ in range(self.reps))
+
+    def once(self, fn) -> float:
+        """Seconds of one call of ``fn``, the L2 flushed first (GPU)."""
+        if self.device.type == "cuda":
+            self.flush.zero_()
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
 
 
 def copy_bandwidth(timer: Timer, nbytes: int) -> float:
@@ -96,8 +115,10 @@ def problem(d: int, k: int, r: int, device, seed: int = 0):
 def bench_shape(timer: Timer, d: int, k: int, r: int, copy_bps: float, kernels) -> dict:
     device = timer.device
     weight, sketch, projection = problem(d, k, r, device)
-    coef = 2e-5  # |coef H| ~ 0.1% of |W|: a training-sized step
-    t_fused = timer(lambda: kernels.lowrank_update_(weight, sketch, projection, coef, seed=1))
+    coef = torch.tensor(2e-5, device=device)  # |coef H| ~ 0.1% of |W|: a training-sized step
+    sq = torch.empty((), device=device)
+    t_fused = timer(lambda: kernels.lowrank_update_(weight, sketch, projection, coef, seed=1,
+                                                    sq_norm_out=sq))
     t_torch = timer(lambda: lowrank_update_reference(weight, sketch, projection, coef, seed=1))
     t_norm = timer(lambda: frobenius_norm_reference(weight))
 
@@ -123,6 +144,7 @@ def bench_shape(timer: Timer, d: int, k: int, r: int, copy_bps: float, kernels) 
 
 def sweep(timer: Timer, d: int, k: int, ranks, configs, backend) -> list[dict]:
     rows = []
+    coef = torch.tensor(2e-5, device=timer.device)
     for r in ranks:
         weight, sketch, projection = problem(d, k, r, timer.device)
         for c_parts in (1, 2, 3):
@@ -130,12 +152,123 @@ def sweep(timer: Timer, d: int, k: int, ranks, configs, backend) -> list[dict]:
                 config = dict(cfg, C_PARTS=c_parts)
                 try:
                     t = timer(lambda: backend.lowrank_update_triton(  # noqa: B023
-                        weight, sketch, projection, 2e-5, seed=1, config=config))  # noqa: B023
+                        weight, sketch, projection, coef, seed=1,  # noqa: B023
+                        config=config))  # noqa: B023
                 except Exception as exc:  # e.g. out of shared memory for this tile
                     print(f"config {config} failed: {type(exc).__name__}: {exc}")
                     continue
                 rows.append(dict(d=d, k=k, r=r, **config, us=t * 1e6,
                                  GBps=4 * d * k / t / 1e9))
+    return rows
+
+
+class Projections(torch.nn.Module):
+    """The compressed linears of a decoder stack (Qwen/Llama names), chained cheaply.
+
+    Each block maps x (n, h) to ``x + o(q(x)) + down(gate(x) * up(x))`` and adds the mean of
+    ``k(x)`` and ``v(x)`` to the output, so every projection receives a gradient.
+    """
+
+    def __init__(self, config: dict):
+        super().__init__()
+        from benchmarks.step_model import linear_shapes
+
+        self.blocks = torch.nn.ModuleList()
+        for _ in range(config["num_hidden_layers"]):
+            block = torch.nn.Module()
+            for name, d, k in linear_shapes(config):
+                setattr(block, name, torch.nn.Linear(k, d, bias=False))
+            self.blocks.append(block)
+
+    def forward(self, x):
+        for b in self.blocks:
+            extra = (b.k_proj(x).mean() + b.v_proj(x).mean()) * 1e-3
+            x = x + b.o_proj(b.q_proj(x)) * 1e-2 + b.down_proj(b.gate_proj(x) * b.up_proj(x)) \
+                * 1e-2 + extra
+        return x
+
+
+class _CountSyncs:
+    """Counts ``aten._local_scalar_dense`` (host reads of device values) while active."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    counter.count += 1
+                return func(*args, **(kwargs or {}))
+
+        self.count, self._mode = 0, Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+
+def _step_time(timer: Timer, model, opt, x) -> float:
+    """Median time of ``opt.step()`` alone, a fresh forward/backward before each (untimed)."""
+    def backward():
+        opt.zero_grad(set_to_none=True)
+        model(x).float().square().mean().backward()
+
+    times = []
+    for _ in range(timer.reps + 1):  # the first is a warm-up (compilation)
+        backward()
+        times.append(timer.once(opt.step))
+    return statistics.median(times[1:])
+
+
+def bench_step(timer: Timer, config: dict, name: str, ranks, tokens: int) -> list[dict]:
+    """Whole ``RGCOptimizer.step()`` vs ``AdamW(fused=True)`` on the projections of ``config``."""
+    import rgc
+    from rgc import RGCOptimizer
+
+    device = timer.device
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, config["hidden_size"], generator=g).to(device, torch.bfloat16)
+    rows = []
+    torch.manual_seed(0)
+    dense = Projections(config).to(device, torch.bfloat16)
+    n_params = sum(p.numel() for p in dense.parameters())
+    adamw = torch.optim.AdamW(dense.parameters(), lr=1e-6, fused=device.type == "cuda")
+    t_adamw = _step_time(timer, dense, adamw, x)
+    del adamw
+    for r in ranks:
+        model = Projections(config).to(device, torch.bfloat16)
+        model.load_state_dict(dense.state_dict())
+        rgc.wrap(model, rank=r, seed=1)
+        opt = RGCOptimizer(model.parameters(), lr=1e-3, seed=5)
+        t_rgc = _step_time(timer, model, opt, x)
+        opt.zero_grad(set_to_none=True)
+        model(x).float().square().mean().backward()
+        with _CountSyncs() as syncs:
+            opt.step()
+        rows.append(dict(config=name, r=r, params=n_params, rgc_step_ms=t_rgc * 1e3,
+                         adamw_fused_step_ms=t_adamw * 1e3, rgc_vs_adamw=t_rgc / t_adamw,
+                         floor_ms_at_copy_bw=4 * n_params / timer.copy_bps * 1e3,
+                         syncs_per_step=syncs.count))
+        del model, opt
+    return rows
+
+
+def registers(out) -> list[dict]:
+    """Registers and stack bytes of every kernel configuration, compiled ahead of time."""
+    from rgc.kernels import _aot
+
+    reason = _aot.toolchain_missing()
+    if reason is not None:
+        raise SystemExit(f"cannot compile ahead of time: {reason}")
+    rows = [dataclasses.asdict(u) for u in _aot.all_usage(_aot.supported_archs())]
+    kwargs = {} if out is None else dict(directory=out)
+    write_results("kernel_registers", rows, title="Kernel resources, compiled ahead of time",
+                  notes="Per thread: registers and stack bytes (a spill needs stack; 0 = "
+                  "spill-free); local and shared bytes per block. Compiled with the Triton "
+                  "wheel's ptxas, read with its cuobjdump (rgc.kernels._aot).", **kwargs)
     return rows
 
 
@@ -145,8 +278,18 @@ def main(argv=None) -> list[dict]:
                     help="tiny shapes on the CPU through the Triton interpreter")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile/precision sweep")
+    ap.add_argument("--step", action="store_true",
+                    help="time whole optimizer steps (RGC vs fused AdamW) instead of kernels")
+    ap.add_argument("--config", type=Path, default=CONFIGS / "qwen3-1.7b.json",
+                    help="model config.json for --step")
+    ap.add_argument("--tokens", type=int, default=512, help="batch tokens for --step")
+    ap.add_argument("--registers", action="store_true",
+                    help="AOT-compile every kernel configuration and tabulate its registers")
     ap.add_argument("--out", type=Path, default=None, help="results directory")
     args = ap.parse_args(argv)
+    kwargs = {} if args.out is None else dict(directory=args.out)
+    if args.registers:
+        return registers(args.out)
 
     import rgc.kernels as kernels
     from rgc.kernels import _triton as backend
@@ -161,25 +304,45 @@ def main(argv=None) -> list[dict]:
             raise SystemExit("no CUDA device: run with --smoke for the CPU interpreter check")
         device, shapes, ranks, reps, nbytes = torch.device("cuda"), SHAPES, RANKS, args.reps, 2**30
     timer = Timer(device, reps)
-    copy_bps = copy_bandwidth(timer, nbytes)
+    copy_bps = timer.copy_bps = copy_bandwidth(timer, nbytes)
     print(f"copy bandwidth: {copy_bps / 1e9:.1f} GB/s")
-    rows = [bench_shape(timer, d, k, r, copy_bps, kernels) for d, k in shapes for r in ranks]
     mode = "smoke run (CPU, Triton interpreter: timings meaningless)" if args.smoke else "GPU"
+
+    if args.step:
+        config = json.loads(args.config.read_text())
+        name = args.config.stem
+        if args.smoke:
+            config = dict(config, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+            name += " (smoke: tiny shapes)"
+        rows = bench_step(timer, config, name, ranks, 8 if args.smoke else args.tokens)
+        notes = (f"{mode}. Whole optimizer steps on the projections of {args.config.name} "
+                 f"(BF16 weights, {args.tokens} tokens per backward, untimed): median of "
+                 f"{reps} opt.step() timings with CUDA events, L2 flushed before each. "
+                 "AdamW: torch.optim.AdamW(fused=True), BF16 states. floor_ms_at_copy_bw: "
+                 "read + write every BF16 weight once at the measured copy bandwidth "
+                 f"({copy_bps / 1e9:.1f} GB/s). syncs_per_step: aten._local_scalar_dense "
+                 "calls in one RGC step (host synchronisations).")
+        write_results("gpu_step" + ("_smoke" if args.smoke else ""), rows,
+                      title="Whole optimizer step: RGC vs fused AdamW", notes=notes, **kwargs)
+        return rows
+
+    rows = [bench_shape(timer, d, k, r, copy_bps, kernels) for d, k in shapes for r in ranks]
     notes = (f"{mode}. Copy bandwidth (read + write, {nbytes / 2**20:.0f} MiB): "
              f"{copy_bps / 1e9:.1f} GB/s. fused_GBps counts 4 bytes per element of W. "
              "Targets: fused_vs_copy >= 0.8, fused_speedup_vs_torch >= 2. Median of "
              f"{reps} repetitions, L2 flushed before each.")
-    kwargs = {} if args.out is None else dict(directory=args.out)
     write_results("gpu_kernels" + ("_smoke" if args.smoke else ""), rows,
                   title="Fused low-rank update kernel", notes=notes, **kwargs)
     if not args.no_sweep:
         configs = SWEEP[:2] if args.smoke else SWEEP
         sweep_rows = sweep(timer, *shapes[0], ranks[:1] if args.smoke else ranks, configs,
                            backend)
-        default = backend.default_config(*shapes[0], 64, torch.bfloat16, torch.bfloat16)
+        d, k = shapes[0]
+        default = backend.default_config(*problem(d, k, 64, device)[:3])
         write_results("gpu_kernels_sweep" + ("_smoke" if args.smoke else ""), sweep_rows,
                       title="Fused update: tiles and number of BF16 parts of C",
-                      notes=f"{mode}. Current default (r = 64): {default}", **kwargs)
+                      notes=f"{mode}. Default (aligned, r = 64): {default}", **kwargs)
     return rows
 
 

@@ -6,6 +6,7 @@ module before any kernel runs, and restores both afterwards.
 """
 
 import importlib
+import json
 import math
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 import torch.nn as nn
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import rgc
 from rgc import RGCOptimizer, stochastic_round
@@ -209,6 +211,97 @@ def test_fused_update_bad_input_leaves_weight_unchanged():
     assert torch.equal(bits16(weight), bits16(before))
 
 
+# ------------------------------------------------- coef on the device, ||W_new||^2, coef 0
+
+class _CountSyncs(TorchDispatchMode):
+    """Counts host reads of tensor values (``.item()``, ``float()``, ``bool()``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def sq_norm64(weight):
+    return (weight.double() ** 2).sum().item()
+
+
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("p_dtype", [torch.bfloat16, torch.float32])
+def test_tensor_coef_and_sq_norm_out(w_dtype, p_dtype):
+    d, k, r = 70, 150, 20
+    weight, sketch, projection = problem(d, k, r, p_dtype=p_dtype, w_dtype=w_dtype, seed=4)
+    coef = 0.5  # a large step: ||W_new|| differs from ||W|| by far more than the tolerance
+    by_float = weight.clone()
+    K.lowrank_update_(by_float, sketch, projection, coef, seed=9, offset=5)
+    sq = torch.full((), -1.0)
+    coef_t = torch.tensor(coef, dtype=torch.float32)
+    with _CountSyncs() as syncs:
+        K.lowrank_update_(weight, sketch, projection, coef_t, seed=9, offset=5, sq_norm_out=sq)
+    assert syncs.count == 0
+    assert torch.equal(weight.view(torch.int16 if w_dtype == torch.bfloat16 else torch.int32),
+                       by_float.view(torch.int16 if w_dtype == torch.bfloat16 else torch.int32))
+    ref = reference_update(*problem(d, k, r, p_dtype=p_dtype, w_dtype=w_dtype, seed=4), coef,
+                           seed=9, offset=5)
+    assert abs(sq_norm64(ref) / sq_norm64(problem(d, k, r, w_dtype=w_dtype, seed=4)[0]) - 1) > 0.1
+    # ||W_new||^2 of the stored values: FP32 sums of d*k squares, tile sums then tile order.
+    assert sq.item() == pytest.approx(sq_norm64(weight), rel=1e-6)
+
+
+def test_sq_norm_out_is_deterministic():
+    d, k, r = 130, 200, 33
+    results = []
+    for _ in range(2):
+        weight, sketch, projection = problem(d, k, r, seed=8)
+        sq = torch.empty(())
+        K.lowrank_update_(weight, sketch, projection, torch.tensor(0.01), seed=1, sq_norm_out=sq)
+        results.append((bits16(weight), sq.view(torch.int32).item()))
+    assert torch.equal(results[0][0], results[1][0])
+    assert results[0][1] == results[1][1]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the interpreter's inf - inf
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("zero", [0.0, -0.0, "tensor"])
+def test_coef_zero_keeps_weight_bits_with_nonfinite_sketch(w_dtype, zero):
+    d, k, r = 40, 70, 9
+    weight, sketch, projection = problem(d, k, r, w_dtype=w_dtype, seed=2)
+    weight[0, :4] = torch.tensor([-0.0, 0.0, math.inf, -math.inf])
+    weight[1, 0] = math.nan
+    ints = torch.int16 if w_dtype == torch.bfloat16 else torch.int32
+    before = weight.view(ints).clone()
+    sketch[3, 2] = math.nan
+    sketch[5, 0] = math.inf
+    projection[7, 1] = -math.inf
+    coef = torch.zeros(()) if zero == "tensor" else zero
+    sq = torch.empty(())
+    K.lowrank_update_(weight, sketch, projection, coef, seed=3, sq_norm_out=sq)
+    assert torch.equal(weight.view(ints), before)
+    finite = problem(d, k, r, w_dtype=w_dtype, seed=2)[0]
+    finite[0, :4] = 0.0
+    finite[1, 0] = 0.0
+    assert math.isnan(sq.item())  # the NaN of W is a stored value
+    weight[1, 0], weight[0, 2:4] = 0.0, 0.0
+    K.lowrank_update_(weight, sketch, projection, coef, seed=3, sq_norm_out=sq)
+    assert sq.item() == pytest.approx(sq_norm64(finite), rel=1e-6)
+
+
+def test_bad_coef_and_sq_norm_out_leave_weight_unchanged():
+    weight, sketch, projection = problem(20, 30, 8)
+    before = weight.clone()
+    for coef in (torch.tensor(0.1, dtype=torch.float64), torch.tensor([0.1]), math.inf, True):
+        with pytest.raises(ValueError, match="coef must be|a tensor coef must be"):
+            K.lowrank_update_(weight, sketch, projection, coef, seed=0)
+    for out in (torch.empty(1), torch.empty((), dtype=torch.float64)):
+        with pytest.raises(ValueError, match="sq_norm_out must be a 0-dim FP32"):
+            K.lowrank_update_(weight, sketch, projection, 0.1, seed=0, sq_norm_out=out)
+    assert torch.equal(bits16(weight), bits16(before))
+
+
 def test_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     weight, sketch, projection = problem(4, 4, 2)
     monkeypatch.delenv("TRITON_INTERPRET")
@@ -283,3 +376,27 @@ def test_gpu_benchmark_smoke_mode(tmp_path):
     assert all(row["mismatch_vs_torch"] <= MAX_MISMATCH for row in rows)
     for name in ("gpu_kernels_smoke", "gpu_kernels_sweep_smoke"):
         assert "## Environment" in (tmp_path / f"{name}.md").read_text()
+    step = gpu_kernels.main(["--smoke", "--step", "--out", str(tmp_path)])
+    assert [row["r"] for row in step] == gpu_kernels.SMOKE_RANKS
+    assert all(row["rgc_step_ms"] > 0 and row["adamw_fused_step_ms"] > 0 for row in step)
+    assert "## Environment" in (tmp_path / "gpu_step_smoke.md").read_text()
+
+
+def test_step_model_counts():
+    # The model's floor is 4 bytes per projection weight, counted here from the config by
+    # hand; every phase costs bytes and launches; the update moves at least the floor.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import step_model
+
+    config = json.loads((step_model.CONFIGS / "qwen3-1.7b.json").read_text())
+    h, i, q, kv = 2048, 6144, 16 * 128, 8 * 128
+    per_layer = q * h + 2 * kv * h + h * q + 3 * i * h
+    rows = {row["phase"]: row for row in step_model.step_rows("x", config, 64)}
+    assert rows["floor (read + write BF16 W once)"]["GB"] == pytest.approx(
+        4 * 28 * per_layer / 1e9)
+    assert rows["update (fused)"]["GB"] > rows["floor (read + write BF16 W once)"]["GB"]
+    phases = [p for p in rows if p not in ("total RGC step", "floor (read + write BF16 W once)")
+              and not p.startswith("AdamW")]
+    assert len(phases) == 4 and all(rows[p]["launches"] > 0 for p in phases)
+    assert rows["total RGC step"]["launches"] == sum(rows[p]["launches"] for p in phases)
+    assert rows["update (fused)"]["launches"] == 2 * 7 * 28  # update + sum of partials

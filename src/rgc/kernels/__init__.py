@@ -7,7 +7,8 @@ in Triton's interpreter: set ``TRITON_INTERPRET=1`` before the first kernel call
 * :func:`stochastic_round` / :func:`stochastic_round_`: FP32 -> BF16, bit-identical with
   :func:`rgc.stochastic_round` for the same seed and offset.
 * :func:`lowrank_update_`: ``W <- W - coef * C P^T`` with ``C P^T`` formed tile by tile on
-  chip (never written to memory) and one stochastically rounded store, using the same bits.
+  chip (never written to memory) and one stochastically rounded store, using the same bits;
+  the same pass can return ``||W_new||_F^2``, and ``coef`` may be a device tensor.
 
 Bit convention: element ``(i, j)`` of a d x k weight is rounded with the bits of flat index
 ``offset + i*k + j``, exactly as ``rgc.stochastic_round(x.flatten(), seed=, offset=)``.
@@ -91,25 +92,52 @@ def stochastic_round(x: torch.Tensor, *, seed: int, offset: int = 0) -> torch.Te
     return stochastic_round_(out, x, seed=seed, offset=offset)
 
 
+def _coef_tensor(coef, device: torch.device) -> torch.Tensor:
+    """``coef`` as a 0-dim FP32 tensor on ``device``, without reading a tensor on the host."""
+    if isinstance(coef, torch.Tensor):
+        if coef.dim() != 0 or coef.dtype != torch.float32 or coef.device != device:
+            raise ValueError(f"a tensor coef must be 0-dim FP32 on the weight's device {device}, "
+                             f"got {coef.dim()}-dim {coef.dtype} on {coef.device}")
+        return coef
+    if (not isinstance(coef, numbers.Real) or isinstance(coef, bool)
+            or not math.isfinite(coef)):
+        raise ValueError(f"coef must be a finite number or a 0-dim FP32 tensor, got {coef!r}")
+    # A fill kernel on the device, not a host-to-device copy.
+    return torch.full((), float(coef), dtype=torch.float32, device=device)
+
+
 def lowrank_update_(weight: torch.Tensor, sketch: torch.Tensor, projection: torch.Tensor,
-                    coef: float, *, seed: int, offset: int = 0, chunk_rows: int | None = None,
-                    stochastic_rounding: bool = True) -> None:
+                    coef: float | torch.Tensor, *, seed: int, offset: int = 0,
+                    chunk_rows: int | None = None, stochastic_rounding: bool = True,
+                    sq_norm_out: torch.Tensor | None = None) -> None:
     """In place ``W <- W - coef * C P^T`` in one pass over W, never writing ``C P^T``.
 
-    Each program computes a tile of ``H = C P^T`` on chip (``tl.dot`` over r), forms
-    ``W - coef * H`` in FP32 and stores it: stochastically rounded for BF16 W (bits of flat
-    index ``offset + i*k + j``, k = ``W.shape[1]``, whatever W's strides), rounded to nearest
-    when ``stochastic_rounding`` is False, plainly for FP32 W.
+    Each program owns a tile of W: it computes that tile of ``H = C P^T`` on chip (``tl.dot``
+    over r), forms ``W - coef * H`` in FP32 and stores it: stochastically rounded for BF16 W
+    (bits of flat index ``offset + i*k + j``, k = ``W.shape[1]``, whatever W's strides),
+    rounded to nearest when ``stochastic_rounding`` is False, plainly for FP32 W. The same pass
+    sums the squares of the stored values (optional ``sq_norm_out``).
 
     Args:
         weight: W, d x k, BF16 or FP32, any strides (e.g. a row or column slice of a larger
             matrix); updated in place.
         sketch: C, d x r, FP32.
         projection: P, k x r, BF16 or FP32 (other float dtypes are converted to FP32).
-        coef: finite scalar.
+        coef: a finite Python number, or a 0-dim FP32 tensor on W's device. A tensor is read
+            by the kernel only, never on the host (no synchronisation). Where its value is 0
+            nothing is stored: W keeps its bits (signed zeros, NaN payloads), even when C or P
+            hold inf/NaN.
         seed, offset: rounding key and flat index of ``W[0, 0]``.
         chunk_rows: accepted for signature parity with
             :func:`rgc.reference.lowrank_update_reference` and ignored.
+        stochastic_rounding: False rounds BF16 W to nearest even.
+        sq_norm_out: None, or a 0-dim FP32 tensor on W's device, overwritten with
+            ``sum(float32(W_new)**2)`` over the values stored (W itself where coef is 0).
+            Each tile's sum is written to a buffer and the buffer summed by one program in
+            index order: no atomics, the same inputs give the same bits on every run.
+
+    Two kernel launches with ``sq_norm_out``, one without (plus a fill for a float ``coef``).
+    Bad input raises before W is touched.
     """
     if weight.dim() != 2 or weight.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"weight must be a 2-D BF16 or FP32 tensor, got {weight.dim()}-D "
@@ -124,12 +152,17 @@ def lowrank_update_(weight: torch.Tensor, sketch: torch.Tensor, projection: torc
                          f"{(d, k)} and sketch {(d, r)}, got {tuple(projection.shape)}")
     if not projection.is_floating_point():
         raise TypeError(f"projection must be floating point, got {projection.dtype}")
-    if not isinstance(coef, numbers.Real) or not math.isfinite(coef):
-        raise ValueError(f"coef must be a finite number, got {coef!r}")
+    if sq_norm_out is not None and (sq_norm_out.dim() != 0
+                                    or sq_norm_out.dtype != torch.float32
+                                    or sq_norm_out.device != weight.device):
+        raise ValueError(f"sq_norm_out must be a 0-dim FP32 tensor on {weight.device}, got "
+                         f"{sq_norm_out.dim()}-dim {sq_norm_out.dtype} on {sq_norm_out.device}")
     _check_seed_offset(seed, offset)
     _check_device(weight, sketch, projection)
+    coef = _coef_tensor(coef, weight.device)
     if projection.dtype not in (torch.bfloat16, torch.float32):
         projection = projection.to(torch.float32)
-    _backend().lowrank_update_triton(weight, sketch, projection, float(coef), seed=int(seed),
+    _backend().lowrank_update_triton(weight, sketch, projection, coef, seed=int(seed),
                                      offset=int(offset),
-                                     stochastic_rounding=bool(stochastic_rounding))
+                                     stochastic_rounding=bool(stochastic_rounding),
+                                     sq_norm_out=sq_norm_out)
