@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rgc.rounding import stochastic_round
+from rgc.rounding import stochastic_round_
 
 
 def write_rows(rows: torch.Tensor, new: torch.Tensor, *, seed: int, offset: int,
@@ -16,7 +16,7 @@ def write_rows(rows: torch.Tensor, new: torch.Tensor, *, seed: int, offset: int,
     FP32 rows are written as they are.
     """
     if rows.dtype == torch.bfloat16 and stochastic_rounding:
-        rows.copy_(stochastic_round(new, seed=seed, offset=offset))
+        stochastic_round_(rows, new, seed=seed, offset=offset)
     else:
         rows.copy_(new)
 
