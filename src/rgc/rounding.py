@@ -168,22 +168,49 @@ def random_words(numel: int, *, seed: int, label: str, offset: int = 0,
     On the CPU: one compiled pass (:mod:`rgc._native`), else numpy; elsewhere torch int32 ops.
     Every path gives the same bits.
     """
+    return _hash_fill(numel, seed=seed, label=label, offset=offset, device=device, grid=None)
+
+
+def random_grid(numel: int, *, seed: int, label: str, offset: int = 0, device=None,
+                add: float = 0.0, mul: float = 1.0) -> torch.Tensor:
+    """FP32 ``((bits >> 8) + add) * mul`` of the hash bits (``>>`` logical), two float32
+    operations in this order, so every path and device gives the same values. ``add`` and
+    ``mul`` must be exactly representable in float32."""
+    return _hash_fill(numel, seed=seed, label=label, offset=offset, device=device,
+                      grid=(add, mul))
+
+
+def _hash_fill(numel, *, seed, label, offset, device, grid) -> torch.Tensor:
     device = torch.device("cpu") if device is None else torch.device(device)
     words = seed_words(seed, label)
+    dtype = torch.int32 if grid is None else torch.float32
     if device.type != "cpu":
-        return torch.cat([_torch_words(m, words, offset + start, device)
-                          for start, m, *_ in _segments(numel, offset)]) if numel else \
-            torch.empty(0, dtype=torch.int32, device=device)
-    out = torch.empty(numel, dtype=torch.int32)
+        parts = [_torch_words(m, words, offset + start, device)
+                 for start, m, *_ in _segments(numel, offset)]
+        out = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int32, device=device)
+        if grid is not None:
+            out = ((out >> 8) & 0xFFFFFF).to(torch.float32).add_(grid[0]).mul_(grid[1])
+        return out
+    out = torch.empty(numel, dtype=dtype)
     lib = _native.library()
     if lib is not None:
         for start, m, off_lo, hi0, hi1, wrap in _segments(numel, offset):
-            lib.rgc_hash_words(out.data_ptr() + 4 * start, m, off_lo, words[0],
-                               (hi0 + words[1]) & _M32, (hi1 + words[1]) & _M32, wrap)
+            keys = (off_lo, words[0], (hi0 + words[1]) & _M32, (hi1 + words[1]) & _M32, wrap)
+            if grid is None:
+                lib.rgc_hash_words(out.data_ptr() + 4 * start, m, *keys)
+            else:
+                lib.rgc_hash_grid(out.data_ptr() + 4 * start, m, *keys, *grid)
         return out
-    flat = out.numpy().view(np.uint32)
+    flat = out.numpy()
     for start, bits in _numpy_blocks(numel, words, offset):
-        flat[start:start + bits.size] = bits
+        if grid is None:
+            flat.view(np.uint32)[start:start + bits.size] = bits
+        else:
+            bits >>= np.uint32(8)
+            part = flat[start:start + bits.size]
+            part[:] = bits  # < 2**24: exact
+            part += np.float32(grid[0])
+            part *= np.float32(grid[1])
     return out
 
 
