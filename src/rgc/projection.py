@@ -39,6 +39,7 @@ device types (CPU vs CUDA) differ by floating-point rounding, around 1e-6 relati
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -139,27 +140,36 @@ def gaussian_matrix(k: int, r: int, *, seed: int, device=None) -> torch.Tensor:
     return g if r == 2 * half else g[:, :r].contiguous()
 
 
-def _inverse_cholesky_factor(gram: torch.Tensor, scale: float) -> torch.Tensor:
-    """``scale * R^-1`` (r x r) for the upper Cholesky factor ``R`` of ``gram`` (``R^T R``).
+@functools.lru_cache(maxsize=64)
+def _scaled_eye(r: int, scale: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Read only; cached because each small op costs more than its arithmetic here.
+    return torch.eye(r, dtype=dtype, device=device).mul_(scale)
 
-    ``cholesky_ex`` does not check its result, so nothing synchronises with the device."""
-    upper = torch.linalg.cholesky_ex(gram, upper=True).L
-    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-    return torch.linalg.solve_triangular(upper, eye, upper=True).mul_(scale)
+
+def _inverse_cholesky_factor(gram: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * R^-1`` (r x r) for the upper Cholesky factor ``R`` of ``gram = R^T R``.
+
+    ``cholesky_ex`` does not check its result, so nothing synchronises with the device. An
+    explicit inverse and a matrix product, not a triangular solve with the k x r matrix:
+    for k in the thousands the solve was 10x slower than the product on the CPU."""
+    upper, _ = torch.linalg.cholesky_ex(gram, upper=True)
+    eye = _scaled_eye(gram.shape[0], scale, gram.dtype, gram.device)
+    return torch.linalg.solve_triangular(upper, eye, upper=True)
 
 
 def orthonormalize(g: torch.Tensor, scale: float = 1.0, *, gram_dtype=torch.float64
                    ) -> torch.Tensor:
     """``scale * Q`` for the thin QR ``g = Q R`` whose ``R`` has a positive diagonal.
 
-    g: k x r FP32, k >= r, full column rank. Returns k x r FP32. For ``k >= 4 r``: one
-    CholeskyQR pass, the Gram matrix in ``gram_dtype`` and ``Q = g R^-1`` in FP32; otherwise
-    shifted CholeskyQR3 in float64 (see the module docstring).
+    g: k x r FP32, k >= r, full column rank. For ``k >= 4 r`` one CholeskyQR pass: ``R`` from
+    the Gram matrix in ``gram_dtype``, then ``g R^-1`` in FP32 (returns FP32). Otherwise
+    shifted CholeskyQR3 in float64 (returns float64). See the module docstring.
     """
     k, r = g.shape
     if k >= _FP32_RATIO * r:
-        gw = g.to(gram_dtype)
-        return g @ _inverse_cholesky_factor(gw.t() @ gw, scale).to(torch.float32)
+        gw = g if gram_dtype == g.dtype else g.to(gram_dtype)
+        inverse = _inverse_cholesky_factor(torch.mm(gw.t(), gw), scale)
+        return torch.mm(g, inverse if inverse.dtype == g.dtype else inverse.to(g.dtype))
     q = g.double()
     for i in range(3):
         gram = q.t() @ q
@@ -169,7 +179,7 @@ def orthonormalize(g: torch.Tensor, scale: float = 1.0, *, gram_dtype=torch.floa
             unit = torch.finfo(torch.float64).eps / 2
             gram.diagonal().add_(gram.diagonal().sum() * (11 * (k * r + r * (r + 1)) * unit))
         q = q @ _inverse_cholesky_factor(gram, scale if i == 2 else 1.0)
-    return q.to(torch.float32)
+    return q
 
 
 def make_projection(
@@ -180,6 +190,7 @@ def make_projection(
     seed: int,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A random ``in_features x rank`` projection with ``E[P P^T] = I``, built on ``device``.
 
@@ -197,19 +208,30 @@ def make_projection(
             one type (see the module docstring for other device types).
         device, dtype: where ``P`` is computed and returned (default CPU) and its dtype
             (default float32); it is rounded once to ``dtype``.
+        out: optional k x r floating-point tensor to write ``P`` into (then ``P`` is computed
+            on ``out``'s device and rounded to its dtype; ``device``/``dtype`` must be None).
 
     Nothing here synchronises the host with the device.
     """
     check_rank(kind, in_features, rank)
     k, r = in_features, rank
+    if out is not None:
+        if device is not None or dtype is not None:
+            raise ValueError("pass either out or device/dtype to make_projection, not both")
+        if tuple(out.shape) != (k, r) or not out.is_floating_point():
+            raise ValueError(f"out must be a floating-point {k} x {r} tensor, got "
+                             f"{tuple(out.shape)} {out.dtype}")
+        device, dtype = out.device, out.dtype
     dtype = dtype or torch.float32
+    if out is None:
+        out = torch.empty(k, r, dtype=dtype, device=device)
     if kind == "rademacher":
-        words = random_words(k * r, seed=seed, label="projection-rademacher", device=device)
-        magnitude = torch.tensor(1.0 / math.sqrt(r), dtype=dtype, device=words.device)
-        return torch.where(words.view(k, r) < 0, -magnitude, magnitude)
-    g = gaussian_matrix(k, r, seed=seed, device=device)
+        words = random_words(k * r, seed=seed, label="projection-rademacher", device=out.device)
+        magnitude = torch.tensor(1.0 / math.sqrt(r), dtype=dtype, device=out.device)
+        return torch.where(words.view(k, r) < 0, -magnitude, magnitude, out=out)
+    g = gaussian_matrix(k, r, seed=seed, device=out.device)
     if kind == "gaussian":
-        return g.div_(math.sqrt(r)).to(dtype)
+        return torch.div(g, math.sqrt(r), out=out)
     # Rounding to BF16 (relative 2**-9) swamps the ~1e-5 error of an FP32 Gram.
     gram_dtype = torch.float32 if dtype == torch.bfloat16 else torch.float64
-    return orthonormalize(g, math.sqrt(k / r), gram_dtype=gram_dtype).to(dtype)
+    return out.copy_(orthonormalize(g, math.sqrt(k / r), gram_dtype=gram_dtype))
