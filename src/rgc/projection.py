@@ -112,6 +112,16 @@ def _box_muller_numpy(w0: np.ndarray, w1: np.ndarray) -> tuple[np.ndarray, np.nd
     return rho * cos_q, rho * sin_q
 
 
+def _gaussian_torch(k: int, half: int, *, seed: int, device) -> torch.Tensor:
+    """The non-CPU definition of ``G`` (k x 2 half): torch's log/cos/sin, any device."""
+    n = k * half
+    u = random_grid(n, seed=seed, label=_LABEL, device=device, add=1.0, mul=2.0**-24)
+    theta = random_grid(n, seed=seed, label=_LABEL, offset=n, device=device, mul=_THETA_STEP)
+    rho = u.log_().mul_(-2.0).sqrt_()
+    return torch.cat((rho * torch.cos(theta), rho * theta.sin_()), dim=0).view(2, k, half) \
+        .transpose(0, 1).reshape(k, 2 * half)
+
+
 def gaussian_matrix(k: int, r: int, *, seed: int, device=None) -> torch.Tensor:
     """``G`` (k x r, FP32, on ``device``): the Box-Muller Gaussians described above."""
     half = (r + 1) // 2
@@ -119,8 +129,10 @@ def gaussian_matrix(k: int, r: int, *, seed: int, device=None) -> torch.Tensor:
     if 2 * n >= 1 << 32:
         raise ValueError(f"a {k} x {r} projection is too large (2 k ceil(r/2) >= 2**32)")
     device = torch.device("cpu") if device is None else torch.device(device)
-    g = torch.empty(k, 2 * half, dtype=torch.float32, device=device)
-    if device.type == "cpu":
+    if device.type != "cpu":
+        g = _gaussian_torch(k, half, seed=seed, device=device)
+    else:
+        g = torch.empty(k, 2 * half, dtype=torch.float32)
         lib = _native.library()
         if lib is not None:
             lib.rgc_gaussian(g.data_ptr(), k, half, *seed_words(seed, _LABEL))
@@ -129,14 +141,6 @@ def gaussian_matrix(k: int, r: int, *, seed: int, device=None) -> torch.Tensor:
             cos, sin = _box_muller_numpy(words[:n], words[n:])
             g.numpy()[:, :half] = cos.reshape(k, half)
             g.numpy()[:, half:] = sin.reshape(k, half)
-    else:
-        u = random_grid(n, seed=seed, label=_LABEL, device=device, add=1.0,
-                        mul=2.0**-24).view(k, half)
-        theta = random_grid(n, seed=seed, label=_LABEL, offset=n, device=device,
-                            mul=_THETA_STEP).view(k, half)
-        rho = u.log_().mul_(-2.0).sqrt_()
-        torch.mul(rho, torch.cos(theta), out=g[:, :half])
-        torch.mul(rho, theta.sin_(), out=g[:, half:])
     return g if r == 2 * half else g[:, :r].contiguous()
 
 
