@@ -14,8 +14,13 @@ Bit convention (public, shared with :mod:`rgc.kernels`):
   its upper 16 bits. A value a fraction ``f`` of the way from one BF16 neighbour to the next
   therefore rounds up with probability ``f`` (to a resolution of 2**-16): unbiased.
 
-NaN stays NaN, +-inf and every BF16-representable value (+-0, subnormals, BF16 max) are
-unchanged. A finite FP32 value above the largest BF16 number may round to inf.
+NaN stays NaN (stored as the quiet NaN of its sign: the upper 16 bits with bit 6 set), +-inf
+and every BF16-representable value (+-0, subnormals, BF16 max) are unchanged. A finite FP32
+value above the largest BF16 number may round to inf.
+
+Paths, all with the same bits: on the CPU one compiled pass per call (:mod:`rgc._native`) or,
+without a C compiler, numpy uint32 ufuncs block by block; on other devices torch int32 ops.
+:func:`random_bits` is the plain int64 statement of the hash that the tests hold them to.
 """
 
 from __future__ import annotations
