@@ -117,9 +117,12 @@ def _gaussian_torch(k: int, half: int, *, seed: int, device) -> torch.Tensor:
     n = k * half
     u = random_grid(n, seed=seed, label=_LABEL, device=device, add=1.0, mul=2.0**-24)
     theta = random_grid(n, seed=seed, label=_LABEL, offset=n, device=device, mul=_THETA_STEP)
-    rho = u.log_().mul_(-2.0).sqrt_()
-    return torch.cat((rho * torch.cos(theta), rho * theta.sin_()), dim=0).view(2, k, half) \
-        .transpose(0, 1).reshape(k, 2 * half)
+    rho = u.log_().mul_(-2.0).sqrt_().view(k, half)
+    theta = theta.view(k, half)
+    g = torch.empty(k, 2 * half, dtype=torch.float32, device=rho.device)
+    torch.mul(rho, torch.cos(theta), out=g[:, :half])
+    torch.mul(rho, theta.sin_(), out=g[:, half:])
+    return g
 
 
 def gaussian_matrix(k: int, r: int, *, seed: int, device=None) -> torch.Tensor:
