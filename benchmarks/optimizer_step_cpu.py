@@ -5,13 +5,16 @@ down) of Qwen3-1.7B decoder layers (hidden 2048, 16 query and 8 key/value heads 
 intermediate 6144), every dimension divided by ``--scale`` to fit a small CPU. The RGC step
 includes everything ``step()`` does (||H|| from the Gram, ||W||, the chunked rebuild with
 stochastic rounding, clearing C, regenerating P); a third row times only the FP32 GEMMs of
-the rebuild (2 r flops per weight element), the floor of any CPU implementation of the step.
+the rebuild (2 r flops per weight element), the floor of any CPU implementation of the step;
+a fourth row times only the regeneration of every layer's P (what refresh='every_step' adds).
 AdamW gets the same BF16 weights with BF16 gradients (its state in BF16, as torch keeps it),
 and FP32 weights with FP32 gradients.
-Timings are medians over interleaved repetitions; the ratio is what to read.
+Timings are medians over interleaved repetitions; the ratio is what to read. The default clock
+is the CPU time of the calling thread (every method runs on it with one torch thread), which a
+machine shared with other jobs disturbs far less than wall time; ``--clock wall`` for wall time.
 
     python benchmarks/optimizer_step_cpu.py [--scale 4] [--layers 2] [--rank 64] [--reps 7]
-        [--threads 1]
+        [--threads 1] [--clock cpu|wall]
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from benchmarks.common import write_results  # noqa: E402
-from rgc import CompressedLinear, RGCOptimizer  # noqa: E402
+from rgc import CompressedLinear, RGCOptimizer, _native  # noqa: E402
+
+CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
+clock = CLOCKS["cpu"]
 
 QWEN3_1_7B = dict(hidden=2048, q_out=16 * 128, kv_out=8 * 128, intermediate=6144)
 
@@ -55,9 +61,22 @@ def build_rgc(shapes, rank: int, refresh, seed: int = 0):
     def step():
         for layer, c in zip(layers, sketches, strict=True):
             layer.sketch.copy_(c)
-        t = time.perf_counter()
+        t = clock()
         opt.step()
-        return time.perf_counter() - t
+        return clock() - t
+    return step
+
+
+def build_refresh_only(shapes, rank: int, seed: int = 0):
+    """Only the regeneration of every layer's P, as ``refresh='every_step'`` does after a step."""
+    layers = [CompressedLinear(k, d, bias=False, rank=rank, seed=seed + n, dtype=torch.bfloat16)
+              for n, (_, d, k) in enumerate(shapes)]
+
+    def step():
+        t = clock()
+        for layer in layers:
+            layer.set_projection_version(layer.projection_version + 1)
+        return clock() - t
     return step
 
 
@@ -67,13 +86,13 @@ def build_rebuild_only(shapes, rank: int, chunk_rows: int = 128):
              torch.randn(k, rank).to(torch.bfloat16)) for _, d, k in shapes]
 
     def step():
-        t = time.perf_counter()
+        t = clock()
         for w, c, p in mats:
             p_t = p.to(torch.float32).t()
             for start in range(0, w.shape[0], chunk_rows):
                 torch.addmm(w[start:start + chunk_rows].to(torch.float32),
                             c[start:start + chunk_rows], p_t, alpha=-1e-3)
-        return time.perf_counter() - t
+        return clock() - t
     return step
 
 
@@ -85,9 +104,9 @@ def build_adamw(shapes, dtype: torch.dtype):
     opt.step()  # create the state outside the timing
 
     def step():
-        t = time.perf_counter()
+        t = clock()
         opt.step()
-        return time.perf_counter() - t
+        return clock() - t
     return step
 
 
@@ -99,14 +118,19 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: stable figures on a shared machine)")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
+                    help="cpu: CPU time of this thread (default); wall: elapsed time")
     ap.add_argument("--out", type=Path, default=None, help="results directory")
     args = ap.parse_args(argv)
-    threads = torch.get_num_threads()
+    global clock
+    threads, previous_clock = torch.get_num_threads(), clock
     torch.set_num_threads(args.threads)
+    clock = CLOCKS[args.clock]
     try:
         return run(args)
     finally:
         torch.set_num_threads(threads)
+        clock = previous_clock
 
 
 def run(args) -> list[dict]:
@@ -117,6 +141,7 @@ def run(args) -> list[dict]:
         "rgc (P refreshed every step)": build_rgc(shapes, args.rank, "every_step"),
         "rgc (P fixed)": build_rgc(shapes, args.rank, "never"),
         "of which: rebuild GEMMs only": build_rebuild_only(shapes, args.rank),
+        "of which: P refresh only": build_refresh_only(shapes, args.rank),
         "adamw foreach, bf16 params": build_adamw(shapes, torch.bfloat16),
         "adamw foreach, fp32 params": build_adamw(shapes, torch.float32),
     }
@@ -127,14 +152,18 @@ def run(args) -> list[dict]:
         for name, step in runs.items():
             times[name].append(step())
     base = statistics.median(times["adamw foreach, bf16 params"])
+    fixed = statistics.median(times["rgc (P fixed)"])
     rows = []
     for name, ts in times.items():
         med = statistics.median(ts)
         rows.append(dict(method=name, step_ms=1e3 * med, ns_per_param=1e9 * med / numel,
-                         vs_adamw_bf16=med / base))
+                         vs_adamw_bf16=med / base, vs_rgc_fixed=med / fixed))
+    native = "compiled rounding loop" if _native.library() is not None else "numpy rounding"
     notes = (f"{args.layers} Qwen3-1.7B decoder layers' projections scaled by 1/{args.scale} "
              f"({numel / 1e6:.1f} M weights), rank {args.rank}, {args.threads} torch thread(s), "
-             f"median of {args.reps} interleaved steps. vs_adamw_bf16 < 1 means faster than AdamW.")
+             f"{native}, {args.clock} clock, median of {args.reps} interleaved steps. "
+             "vs_adamw_bf16 < 1 means faster than AdamW; vs_rgc_fixed is the cost relative to "
+             "the step with a fixed P (the refresh row: what refreshing P adds).")
     kwargs = {} if args.out is None else dict(directory=args.out)
     write_results("optimizer_step_cpu", rows, title="RGC step vs AdamW step (CPU)",
                   notes=notes, **kwargs)

@@ -1,11 +1,15 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from rgc import PROJECTION_KINDS, make_projection
+from rgc import PROJECTION_KINDS, _native, make_projection
+from rgc.projection import _box_muller_numpy, _gaussian_torch, gaussian_matrix
+from rgc.rounding import random_bits
 
 
 @given(k=st.integers(1, 64), r=st.integers(1, 64), seed=st.integers(0, 2**63 - 1),
@@ -46,10 +50,11 @@ def test_different_seeds_differ():
 
 
 @pytest.mark.parametrize("kind", PROJECTION_KINDS)
-def test_expected_outer_product_is_identity(kind):
-    # E[P P^T] = I: average 3000 independent draws, k=6, r=2. Each entry of the mean has
-    # standard deviation below 0.05 for all kinds here; the tolerance is 0.12.
-    k, r, n = 6, 2, 3000
+@pytest.mark.parametrize("k", [6, 8])  # orthonormal: float64 CholeskyQR3 (k < 4r), FP32 (k >= 4r)
+def test_expected_outer_product_is_identity(kind, k):
+    # E[P P^T] = I: average 3000 independent draws, r=2. Each entry of the mean has standard
+    # deviation below 0.05 for all kinds here; the tolerance is 0.12.
+    r, n = 2, 3000
     acc = torch.zeros(k, k, dtype=torch.float64)
     for s in range(n):
         p = make_projection(kind, k, r, seed=s).double()
@@ -66,3 +71,122 @@ def test_bad_rank(rank):
 def test_unknown_kind():
     with pytest.raises(ValueError, match="unknown projection kind"):
         make_projection("sparse", 8, 2, seed=0)
+
+
+# --- how P is generated: against plain float64 statements of the definitions ---------------
+
+def _no_native(monkeypatch):
+    monkeypatch.setattr(_native, "library", lambda: None)
+
+
+def box_muller_reference(k, r, seed):
+    """G of the module docstring in float64, from the int64 statement of the hash words."""
+    h = (r + 1) // 2
+    words = random_bits(2 * k * h, seed=seed, label="projection-gaussian") >> 8
+    u = (words[:k * h].double() + 1) / 2**24
+    theta = 2 * math.pi * words[k * h:].double() / 2**24
+    rho = torch.sqrt(-2 * torch.log(u))
+    g = torch.cat([(rho * torch.cos(theta)).view(k, h), (rho * torch.sin(theta)).view(k, h)], 1)
+    return g[:, :r]
+
+
+@given(k=st.integers(1, 40), r=st.integers(1, 40), seed=st.integers(0, 2**63 - 1))
+def test_gaussian_matrix_is_box_muller_of_the_hash_words(k, r, seed):
+    # The CPU polynomials (compiled loop and numpy twin) and torch's log/cos/sin (the path of
+    # other devices) stay within 2e-6 of float64 Box-Muller; |G| <= 5.8, float32 ulp ~5e-7.
+    want = box_muller_reference(k, r, seed)
+    got = gaussian_matrix(k, r, seed=seed)
+    assert got.shape == (k, r) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=0)
+    h = (r + 1) // 2
+    other = _gaussian_torch(k, h, seed=seed, device="cpu")[:, :r]
+    torch.testing.assert_close(other.double(), want, atol=2e-6, rtol=0)
+
+
+@given(k=st.integers(1, 70), r=st.integers(1, 70), seed=st.integers(0, 2**63 - 1))
+def test_compiled_and_numpy_gaussians_are_bit_identical(k, r, seed):
+    if _native.library() is None:
+        pytest.skip("no C compiler: only the numpy path exists here")
+    compiled = gaussian_matrix(k, r, seed=seed)
+    with pytest.MonkeyPatch.context() as mp:
+        _no_native(mp)
+        assert torch.equal(gaussian_matrix(k, r, seed=seed), compiled)
+
+
+def test_gaussian_rows_are_symmetric_under_negation_bit_for_bit():
+    # The quadrant construction: flipping bit 1 of the quadrant negates the pair exactly, so
+    # a row's law is exactly symmetric. Checked on the numpy twin with hand-made words.
+    w0 = np.arange(0, 1 << 24, 4099, dtype=np.uint32)
+    w1 = (w0 * np.uint32(2654435761)) & np.uint32(0xFFFFFF)
+    c1, s1 = _box_muller_numpy(w0, w1)
+    c2, s2 = _box_muller_numpy(w0, w1 ^ np.uint32(1 << 23))
+    assert np.array_equal(c2, -c1) and np.array_equal(s2, -s1)
+
+
+def test_rademacher_signs_are_the_top_bit_of_each_word():
+    k, r = 9, 5
+    words = random_bits(k * r, seed=4, label="projection-rademacher").view(k, r)
+    want = torch.where(words >= 2**31, -1.0, 1.0) / math.sqrt(r)
+    assert torch.equal(make_projection("rademacher", k, r, seed=4), want.float())
+
+
+@pytest.mark.parametrize("k, r, tol", [(200, 8, 1e-5), (64, 16, 1e-5), (12, 7, 1e-5),
+                                       (5, 5, 1e-4)])
+def test_orthonormal_is_the_sign_corrected_qr_of_g(k, r, tol):
+    # Reference: float64 Householder QR of the same G, R's diagonal made positive. Both FP32
+    # CholeskyQR (k >= 4r) and float64 shifted CholeskyQR3 (k < 4r) give that Q.
+    for seed in range(5):
+        g = gaussian_matrix(k, r, seed=seed).double()
+        q, upper = torch.linalg.qr(g)
+        want = q * torch.sign(torch.diagonal(upper)) * math.sqrt(k / r)
+        cond = torch.linalg.cond(g).item()
+        got = make_projection("orthonormal", k, r, seed=seed).double()
+        torch.testing.assert_close(got, want, atol=tol * cond * math.sqrt(k / r), rtol=0)
+
+
+@given(k=st.integers(2, 80), data=st.data(), seed=st.integers(0, 2**32))
+def test_bf16_orthonormal_gram_within_bf16_rounding(k, data, seed):
+    # Each entry is rounded with relative error <= 2**-8 (BF16 unit roundoff), so every entry
+    # of P^T P moves by at most (2 * 2**-8 + 2**-16) * (k/r) (Cauchy-Schwarz); the FP32 Gram
+    # adds < 1e-5 relative.
+    r = data.draw(st.integers(1, k))
+    p = make_projection("orthonormal", k, r, seed=seed, dtype=torch.bfloat16).double()
+    torch.testing.assert_close(p.T @ p, (k / r) * torch.eye(r, dtype=torch.float64),
+                               atol=(2**-7 + 2**-16 + 1e-5) * k / r, rtol=0)
+
+
+@pytest.mark.parametrize("kind", PROJECTION_KINDS)
+def test_out_gives_the_same_bits_as_dtype(kind):
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.full((40, 6), math.nan, dtype=dtype)
+        got = make_projection(kind, 40, 6, seed=3, out=out)
+        assert got is out
+        assert torch.equal(out, make_projection(kind, 40, 6, seed=3, dtype=dtype))
+    with pytest.raises(ValueError, match="out must be"):
+        make_projection(kind, 40, 6, seed=3, out=torch.empty(6, 40))
+    with pytest.raises(ValueError, match="either out or device/dtype"):
+        make_projection(kind, 40, 6, seed=3, out=torch.empty(40, 6), dtype=torch.float32)
+
+
+class _CountScalarReads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", PROJECTION_KINDS)
+@pytest.mark.parametrize("k", [64, 10])  # both orthonormalisation variants
+def test_generation_reads_no_tensor_value_on_the_host(kind, k):
+    with _CountScalarReads() as mode:
+        make_projection(kind, k, 8, seed=1, dtype=torch.bfloat16)
+    assert mode.count == 0
+
+
+def test_too_large_a_projection_is_refused_before_allocating():
+    with pytest.raises(ValueError, match="too large"):
+        gaussian_matrix(2**26, 64, seed=0)

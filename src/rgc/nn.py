@@ -118,7 +118,8 @@ class CompressedLinear(nn.Linear):
     def set_projection_version(self, version: int) -> None:
         """Regenerate ``P`` for ``version`` (in place, keeping the buffer)."""
         self.projection_version = int(version)
-        self.projection.copy_(self._make_projection())
+        make_projection(self.projection_kind, self.in_features, self.rank,
+                        seed=self.projection_seed, out=self.projection)
 
     def accumulate_sketch(self, grad_out: torch.Tensor, xp: torch.Tensor, version: int) -> None:
         """``sketch += grad_out^T xp`` in FP32. grad_out: (n, d), xp: (n, r)."""

@@ -41,11 +41,11 @@ FAMILIES = (*LLAMA_FAMILY, "gpt2")
 FP32 = 4
 
 #: Reference-path update, bytes per element of one ``chunk_rows x k`` chunk of H: the FP32
-#: new rows (4), one FP32 temporary (4: the rows cast for the subtraction, then the squares of
-#: the stored rows for ``||W_new||^2``) and the BF16 result (2; on the CPU it is built in numpy,
-#: which :func:`rgc.memory.track` does not see). Measured with the tracker on torch 2.13;
+#: new rows (4) and the FP32 squares of the stored rows for ``||W_new||^2`` (4), or, while the
+#: next chunk is built, the previous chunk's new rows (4); the BF16 result is rounded straight
+#: into W. Measured with the tracker on torch 2.13;
 #: ``tests/test_memory_estimate.py`` checks whole steps.
-UPDATE_BYTES_PER_CHUNK_ELEMENT = 10
+UPDATE_BYTES_PER_CHUNK_ELEMENT = 8
 
 #: The step's device scalars of one layer (an FP32 coefficient and a bool flag, 0-dim, live
 #: until its projection is refreshed), rounded up to two CUDA allocator blocks of 512 bytes.
@@ -313,34 +313,40 @@ def _activations(arch: Architecture, method: str, rank: int, n: int, seq_len: in
     return total, 2 * 4 * n * V
 
 
-def _refresh_temp(k: int, r: int) -> int:
-    # float64 Gaussian, Q, sign-corrected and scaled copies (32kr); R and the signs (8r^2 + 8r)
-    return 32 * k * r + 8 * r * r + 8 * r
+def _refresh_temp(k: int, r: int, weight_itemsize: int = 2) -> int:
+    # rgc.projection, measured: G (4k * 2ceil(r/2)) and G R^-1 (4kr) beside the r x r factors
+    # (BF16 P, k >= 4r); G, its float64 copy and G R^-1 (FP32 P); float64 CholeskyQR3 (k < 4r).
+    if k < 4 * r:
+        return 20 * k * r + 16 * r * r + 8
+    if weight_itemsize == 2:
+        return 8 * k * ((r + 1) // 2) + 4 * k * r + 4 * r * r
+    return 16 * k * r + 12 * r * r
 
 
 def _update_temp(d: int, k: int, r: int, chunk_rows: int, implementation: str) -> int:
-    # an FP32 copy of P plus the chunk of H (none on the Triton kernel)
-    chunk = 0 if implementation == "triton" else UPDATE_BYTES_PER_CHUNK_ELEMENT
-    return 4 * k * r + min(chunk_rows, d) * k * chunk
+    # an FP32 copy of P plus the chunk of H and the scaled chunk of C (none on the Triton kernel)
+    if implementation == "triton":
+        return 4 * k * r
+    return 4 * k * r + min(chunk_rows, d) * (k * UPDATE_BYTES_PER_CHUNK_ELEMENT + 4 * r)
 
 
 def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
-                         implementation: str = "torch") -> int:
+                         implementation: str = "torch", weight_itemsize: int = 2) -> int:
     """Largest transient of one RGCOptimizer update of a d x k weight at rank r, in bytes.
 
     The largest of: the finiteness check of C (7dr); ``||H||`` from the Gram matrix (an FP32
     copy of P, C P^T P and its product with C: 4kr + 8dr + 4r^2); ``||W||`` over row chunks
     (8 bytes per chunk element); the update (4kr plus
     :data:`UPDATE_BYTES_PER_CHUNK_ELEMENT` per chunk element); regenerating P after the step
-    (32kr + 8r^2 + 8r).
+    (about 8kr for BF16 weights, 16kr for FP32, 20kr when k < 4r).
     """
     return UPDATE_SCALAR_BYTES + max(
         7 * d * r, 4 * k * r + 8 * d * r + 4 * r * r, 8 * min(chunk_rows, d) * k,
-        _update_temp(d, k, r, chunk_rows, implementation), _refresh_temp(k, r))
+        _update_temp(d, k, r, chunk_rows, implementation), _refresh_temp(k, r, weight_itemsize))
 
 
 def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
-                             implementation: str = "torch") -> int:
+                             implementation: str = "torch", weight_itemsize: int = 2) -> int:
     """Largest transient of one RowAdam update of a d x k weight at rank r, in bytes.
 
     The finiteness check (7dr); then the direction U (4dr) stays live while the update runs
@@ -351,7 +357,7 @@ def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
     carry = max(16 * k * r + 16 * r * r, 8 * k * r + 12 * r * r + 4 * d * r)
     return UPDATE_SCALAR_BYTES + max(
         7 * d * r, 4 * d * r + max(_update_temp(d, k, r, chunk_rows, implementation),
-                                   2 * k * r + max(_refresh_temp(k, r), carry)))
+                                   2 * k * r + max(_refresh_temp(k, r, weight_itemsize), carry)))
 
 
 def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
@@ -425,7 +431,8 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
         per_step = est["sketch"] + est["gradients"]
         temps = rgc_step_temporaries if method == "rgc" else rowadam_step_temporaries
         step_temp = max(temps(s.d, s.k, rank, chunk_rows=chunk_rows,
-                              implementation=implementation) for s in chosen)
+                              implementation=implementation, weight_itemsize=wsize)
+                        for s in chosen)
         if method == "rowadam":
             est["optimizer_state"] = sum(s.d * rank * FP32 + s.d * FP32 for s in chosen)
             # elementwise AdamW moments of the targets' trainable biases

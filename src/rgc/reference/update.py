@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rgc.rounding import stochastic_round
+from rgc.rounding import stochastic_round_
 
 
 def write_rows(rows: torch.Tensor, new: torch.Tensor, *, seed: int, offset: int,
@@ -13,14 +13,13 @@ def write_rows(rows: torch.Tensor, new: torch.Tensor, *, seed: int, offset: int,
 
     BF16 ``rows`` are stochastically rounded with the bits of flat indices ``offset + i*k + j``
     (k = row length) unless ``stochastic_rounding`` is False (then round-to-nearest-even);
-    FP32 rows are written as they are. The result has ``rows``' dtype and holds exactly what
-    was stored (it may be ``rows`` itself).
+    FP32 rows are written as they are. Returns ``rows``, which now holds exactly what was
+    stored.
     """
     if rows.dtype == torch.bfloat16 and stochastic_rounding:
-        stored = stochastic_round(new, seed=seed, offset=offset)
-        rows.copy_(stored)
-        return stored
-    rows.copy_(new)
+        stochastic_round_(rows, new, seed=seed, offset=offset)
+    else:
+        rows.copy_(new)
     return rows
 
 
