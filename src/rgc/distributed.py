@@ -361,7 +361,8 @@ class DistributedRGCOptimizer(RGCOptimizer):
     Construction runs :func:`check_seeds` (one all-gather of a few int64) on the optimizer.
 
     Args:
-        params, lr, chunk_rows, stochastic_rounding, seed: as :class:`rgc.RGCOptimizer`
+        params, lr, chunk_rows, stochastic_rounding, seed, maximize: as
+            :class:`rgc.RGCOptimizer`
             (``step_control`` and ``keep_updates`` are not supported here and raise).
         group: process group for the plain-tensor parameters (default: the whole world); the
             sharded ones use their device mesh's group.
@@ -370,8 +371,8 @@ class DistributedRGCOptimizer(RGCOptimizer):
     ``last_comm_bytes`` holds the bytes this rank passed to the collectives in the last step.
     """
 
-    def __init__(self, params, lr: float, *, group=None, bucket_mb: float = DEFAULT_BUCKET_MB,
-                 **kwargs):
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, *, group=None,
+                 bucket_mb: float = DEFAULT_BUCKET_MB, **kwargs):
         for unsupported in ("step_control", "keep_updates"):
             if kwargs.get(unsupported):
                 raise NotImplementedError(
@@ -420,6 +421,7 @@ class DistributedRGCOptimizer(RGCOptimizer):
                 self._step_compressed(p, layer, group, index)
             elif p.grad is not None:
                 self._step_dense(p, group, index)
+        self.steps_taken += 1
         return loss
 
     def _step_sharded(self, entries: list) -> None:
@@ -462,8 +464,10 @@ class DistributedRGCOptimizer(RGCOptimizer):
             w_local = p.to_local()
             if bad != 0:
                 self._skip(state, "sketch" if layer is not None else "gradient")
-            elif h_norm > 0.0 and group["lr"] != 0.0:
-                coef = group["lr"] * w_norm / h_norm
+            elif h_norm > 0.0 and float(group["lr"]) != 0.0:
+                coef = float(group["lr"]) * w_norm / h_norm
+                if group["maximize"]:
+                    coef = -coef
                 row_len = w_local[0].numel() if w_local.dim() > 1 else 1
                 if layer is not None:
                     if w_local.shape[0]:
