@@ -72,10 +72,11 @@ def main() -> None:
                          "factor_bytes": "", "payload_bytes": total_payload,
                          "ratio": total_payload / total_weight, "expected_2r_over_k": ""})
     notes = ("payload_bytes: the safetensors file of one layer's update (FP32 d x r factor, "
-             "coefficient, seeds, projection spec, base fingerprint, JSON header). Totals are "
-             "per-layer payloads times the number of decoder layers (embeddings, norms and the "
-             "LM head are not trained here). Every receiver (a plain BF16 copy given the payload "
-             "through rgc.apply_update) was checked bit-identical with the trainer.")
+             "coefficient, seeds, projection spec, base and result fingerprints, SHA-256 "
+             "checksum, JSON header). Totals are per-layer payloads times the number of decoder "
+             "layers (embeddings, norms and the LM head are not trained here). Every receiver "
+             "(a plain BF16 copy given the payload through rgc.apply_update) was checked "
+             "bit-identical with the trainer.")
     write_results("sync_payload", rows, title="Policy-sync payload vs full BF16 weights",
                   notes=notes)
 

@@ -120,10 +120,12 @@ def _tamper_cases(payload):
 
 @pytest.mark.parametrize("case", list(_tamper_cases({})))
 def test_tampered_payload_is_rejected_and_receiver_untouched(case):
+    """Each structural check, on payloads re-sealed with a valid checksum after the change."""
     base, model, opt = _one_step_payload()
     payload = dict(opt.export_update(model))
     tamper, match = _tamper_cases(payload)[case]
     tamper(payload)
+    payload["rgc/checksum"] = rgc.sync.payload_checksum(payload)
     receiver = copy.deepcopy(base)
     before = _snapshot(receiver)
     with pytest.raises(ValueError, match=match):
@@ -131,6 +133,63 @@ def test_tampered_payload_is_rejected_and_receiver_untouched(case):
     for n, p in receiver.named_parameters():
         assert torch.equal(p, before[n]), n
     assert not hasattr(receiver, "rgc_sync_step")
+
+
+def _flip_one_bit(t: torch.Tensor, index: int) -> torch.Tensor:
+    out = t.clone()
+    out.view(-1).view(torch.int32)[index] ^= 1
+    return out
+
+
+@pytest.mark.parametrize("key, index", [("up_proj.weight/factor", 0),
+                                        ("down_proj.weight/factor", 37),
+                                        ("norm.weight/direction", 5)])
+def test_payload_changed_in_transit_is_refused_before_anything_is_applied(key, index):
+    """One bit of one value changed after export (checksum not updated): nothing is applied."""
+    import hashlib
+
+    base, model, opt = _one_step_payload()
+    payload = dict(opt.export_update(model))
+    # the checksum is SHA-256 over key, dtype, shape and bytes of every entry, in key order
+    digest = hashlib.sha256()
+    for k in sorted(payload):
+        if k != "rgc/checksum":
+            t = payload[k].contiguous().reshape(-1)
+            digest.update(f"{k}\0{t.dtype}\0{tuple(payload[k].shape)}\0".encode())
+            digest.update(t.view(torch.uint8).numpy().tobytes())
+    assert payload["rgc/checksum"].tolist() == list(digest.digest())
+    payload[key] = _flip_one_bit(payload[key], index)
+    receiver = copy.deepcopy(base)
+    before = _snapshot(receiver)
+    with pytest.raises(ValueError, match="checksum"):
+        rgc.apply_update(receiver, payload)
+    assert all(torch.equal(p, before[n]) for n, p in receiver.named_parameters())
+    assert not hasattr(receiver, "rgc_sync_step")
+    missing = dict(opt.export_update(model))
+    del missing["rgc/checksum"]
+    with pytest.raises(ValueError, match="checksum"):
+        rgc.apply_update(copy.deepcopy(base), missing)
+
+
+def test_diverging_receiver_raises_at_the_step_it_diverges(monkeypatch):
+    """A receiver whose arithmetic gives other bits (here: round-to-nearest instead of the
+    trainer's stochastic rounding) is told at that step, not one step later."""
+    base, model, opt = _one_step_payload()
+    payload = opt.export_update(model)
+    receiver = copy.deepcopy(base)
+    real = rgc.sync.apply_lowrank_update_
+
+    def other_bits(*args, **kwargs):
+        real(*args, **{**kwargs, "stochastic_rounding": False})
+
+    monkeypatch.setattr(rgc.sync, "apply_lowrank_update_", other_bits)
+    with pytest.raises(RuntimeError, match="differ from the trainer"):
+        rgc.apply_update(receiver, payload)
+    assert not hasattr(receiver, "rgc_sync_step")
+    monkeypatch.undo()
+    fine = copy.deepcopy(base)
+    rgc.apply_update(fine, payload)
+    assert fine.rgc_sync_step == 1
 
 
 def test_wrong_step_order_and_wrong_base_are_rejected():
@@ -183,7 +242,8 @@ def test_payload_is_sketch_sized():
         fields = {k: v for k, v in payload.items() if k.startswith(f"{name}.weight/")}
         nbytes = sum(v.numel() * v.element_size() for v in fields.values())
         d, r = layer.out_features, layer.rank
-        assert nbytes == 4 * d * r + 8 * (1 + 1 + 1 + 4 + 3 + 1)
+        assert nbytes == 4 * d * r + 8 * (1 + 1 + 1 + 4 + 3 + 1 + 1)
+    assert payload["rgc/checksum"].dtype == torch.uint8 and payload["rgc/checksum"].numel() == 32
 
 
 @pytest.mark.parametrize("dtype, width", [(torch.bfloat16, 16), (torch.float32, 32)])

@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 
 from rgc import dispatch
 from rgc.nn import CompressedLinear, compressed_layer_of
-from rgc.optim.base import rounding_seed
+from rgc.optim.base import group_lr, rounding_seed
 from rgc.optim.rgc import RGCOptimizer, normalized_coef
 from rgc.seeding import derive_seed
 from rgc.updates import apply_dense_update_
@@ -352,7 +352,8 @@ class DistributedRGCOptimizer(RGCOptimizer):
     Construction runs :func:`check_seeds` (one all-gather of a few int64) on the optimizer.
 
     Args:
-        params, lr, chunk_rows, stochastic_rounding, seed: as :class:`rgc.RGCOptimizer`
+        params, lr, chunk_rows, stochastic_rounding, seed, maximize: as
+            :class:`rgc.RGCOptimizer`
             (``step_control`` and ``keep_updates`` are not supported here and raise).
         group: process group for the plain-tensor parameters (default: the whole world); the
             sharded ones use their device mesh's group.
@@ -361,8 +362,8 @@ class DistributedRGCOptimizer(RGCOptimizer):
     ``last_comm_bytes`` holds the bytes this rank passed to the collectives in the last step.
     """
 
-    def __init__(self, params, lr: float, *, group=None, bucket_mb: float = DEFAULT_BUCKET_MB,
-                 **kwargs):
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, *, group=None,
+                 bucket_mb: float = DEFAULT_BUCKET_MB, **kwargs):
         for unsupported in ("step_control", "keep_updates"):
             if kwargs.get(unsupported):
                 raise NotImplementedError(
@@ -411,6 +412,7 @@ class DistributedRGCOptimizer(RGCOptimizer):
                 self._step_compressed(p, layer, group, index)
             elif p.grad is not None:
                 self._step_dense(p, group, index)
+        self.steps_taken += 1
         return loss
 
     def _step_sharded(self, entries: list) -> None:
@@ -450,7 +452,10 @@ class DistributedRGCOptimizer(RGCOptimizer):
             state["step"] += 1
             ok = totals[row, 2] == 0
             state["skipped"] += ~ok
-            coef, _ = normalized_coef(norms[row, 0], norms[row, 1], group["lr"], ok)
+            coef, _ = normalized_coef(norms[row, 0], norms[row, 1], group_lr(group, totals.device),
+                                      ok)
+            if group["maximize"]:
+                coef = -coef
             seed = rounding_seed(group["seed"], index, int(state["step"]))
             w_local = p.to_local()
             row_len = w_local[0].numel() if w_local.dim() > 1 else 1

@@ -67,6 +67,7 @@ class CompressedLinear(nn.Linear):
 
     ``P`` is regenerated from ``(seed, projection_version)``; the optimizer advances the
     version after an update according to ``refresh`` ('every_step', 'never' or every N).
+    Casting the layer to another dtype (``model.to(torch.float32)``) regenerates ``P`` in it.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, rank: int,
@@ -155,6 +156,16 @@ class CompressedLinear(nn.Linear):
     def __setstate__(self, state):
         super().__setstate__(state)
         _register_owner(self.weight, self)
+
+    def _apply(self, fn, recurse=True):
+        # P is a function of (seed, version, weight dtype). A cast such as model.to(float32)
+        # would leave the old dtype's rounding in P, which a resumed run (regenerating P in the
+        # new dtype) would not have: regenerate it so both use the same bits.
+        dtype = self.weight.dtype
+        result = super()._apply(fn, recurse)
+        if self.weight.dtype != dtype and self.projection.device.type != "meta":
+            self.set_projection_version(self.projection_version)
+        return result
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, rank={self.rank}, projection={self.projection_kind!r}, "

@@ -9,8 +9,10 @@ receiver (:func:`rgc.apply_update`), which is why its weights match the trainer'
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
+from collections import OrderedDict
 
 import torch
 from torch.optim import Optimizer
@@ -30,14 +32,49 @@ def rounding_seed(seed: int, param_index: int, step: int) -> int:
     return derive_seed(seed, "round", param_index, step)
 
 
+def check_lr(lr) -> None:
+    """ValueError unless ``lr`` is a finite number >= 0 or a 1-element real tensor holding one.
+
+    A tensor ``lr`` (e.g. one a scheduler fills in place) enters the step's coefficients as a
+    tensor: it is read here once, never on the host during ``step()``.
+    """
+    value = lr
+    if torch.is_tensor(lr):
+        if lr.numel() != 1 or not lr.is_floating_point():
+            raise ValueError(f"Tensor lr must be 1-element and real floating point, got shape "
+                             f"{tuple(lr.shape)} of {lr.dtype}; pass a 0-dim tensor or a float")
+        value = float(lr)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value >= 0):
+        raise ValueError(f"lr must be a finite number >= 0 (or a 0-dim tensor holding one), "
+                         f"got {lr!r}")
+
+
+def group_lr(group: dict, device: torch.device) -> float | torch.Tensor:
+    """``group['lr']`` for a step's coefficients: a float as it is, a tensor as a 0-dim FP32
+    tensor on ``device`` (copied there, never read on the host), so both give the same bits."""
+    lr = group["lr"]
+    if torch.is_tensor(lr):
+        return lr.detach().reshape(()).to(device=device, dtype=torch.float32)
+    return lr
+
+
 def check_common_args(lr, chunk_rows, seed) -> None:
     """ValueError for a bad ``lr``, ``chunk_rows`` or ``seed``."""
-    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
-        raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+    check_lr(lr)
     if not isinstance(chunk_rows, int) or chunk_rows < 1:
         raise ValueError(f"chunk_rows must be an integer >= 1, got {chunk_rows!r}")
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+
+
+#: Per-parameter state entries that are Python ints. rgc's first state format stored them as
+#: int64 0-dim tensors; ``load_state_dict`` converts those, so old checkpoints resume exactly.
+INT_STATE_KEYS = ("step", "skipped", "layer_seed", "projection_version")
+
+#: Attributes an optimizer pickled before they existed gets on unpickling.
+_ATTRIBUTE_DEFAULTS = {"step_control": None, "keep_updates": False, "steps_taken": 0,
+                       "last_updates": None, "_warned_nonfinite": False}
 
 
 class SketchOptimizer(Optimizer):
@@ -59,14 +96,22 @@ class SketchOptimizer(Optimizer):
             applied.
         keep_updates: keep the applied updates of the last step (one d x r FP32 copy per
             compressed weight) so that :meth:`export_update` can build a sync payload.
+
+    Every param group has ``maximize`` (default False): subclasses negate their proposals
+    for it. Where this contract differs from torch.optim is listed in ``docs/design.md``
+    ("Where rgc differs from torch.optim"): among others, no trainable parameter only warns,
+    complex parameters are refused, arithmetic is FP32 whatever the parameter dtype, state
+    tensors keep their dtype on load, and ``copy.deepcopy``/``pickle`` keep the step control,
+    kept updates and counters.
     """
 
     def __init__(self, params, defaults: dict, *, step_control=None, keep_updates: bool = False):
-        super().__init__(params, defaults)
+        super().__init__(params, {"maximize": False, **defaults})
         if not any(p.requires_grad for g in self.param_groups for p in g["params"]):
-            raise ValueError(
-                f"{type(self).__name__} was given no trainable parameter; wrap the model with "
-                "rgc.wrap() and pass model.parameters() (or the trainable ones)")
+            warnings.warn(
+                f"{type(self).__name__} was given no trainable parameter (requires_grad=True): "
+                "step() will change nothing. Wrap the model with rgc.wrap() and pass "
+                "model.parameters() (or the trainable ones)", UserWarning, stacklevel=3)
         if step_control is not None and not (hasattr(step_control, "scale")
                                              and hasattr(step_control, "after_update")):
             raise TypeError("step_control must provide scale(optimizer, updates) and "
@@ -77,6 +122,64 @@ class SketchOptimizer(Optimizer):
         # (update, fingerprint of the tensor before it, projection seed used) per parameter
         self.last_updates: list[tuple] | None = None
         self._warned_nonfinite = False
+        # p -> p._version when state[p]['weight_sq_norm'] was last made from p's stored values
+        self._norm_versions: dict[torch.Tensor, int] = {}
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As torch.optim, then :meth:`_check_group` on the new group (removed again if bad).
+
+        Complex parameters are refused: the updates work on real numbers (take
+        ``torch.view_as_real`` of the parameter and train that, or use a torch.optim optimizer).
+        """
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            complex_params = [tuple(p.shape) for p in group["params"] if p.is_complex()]
+            if complex_params:
+                raise TypeError(
+                    f"{type(self).__name__} does not support complex parameters (got shapes "
+                    f"{complex_params}): its norms, moments and rounding act on real values. "
+                    "Optimise torch.view_as_real(param) instead, or use a torch.optim optimizer")
+            self._check_group(group)
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def _check_group(self, group: dict) -> None:
+        """Raise for a bad hyperparameter of one param group (subclasses extend it)."""
+        check_common_args(group["lr"], group["chunk_rows"], group["seed"])
+        if not isinstance(group["maximize"], bool):
+            raise ValueError(f"maximize must be True or False, got {group['maximize']!r}")
+
+    # -- copy and pickle: keep what a step needs ----------------------------------------
+    def __getstate__(self) -> dict:
+        # torch.optim keeps only defaults, state and param groups; an rgc optimizer also needs
+        # its step control, kept updates and counters. Hooks are dropped, as torch does.
+        state = super().__getstate__()
+        state.update({k: v for k, v in self.__dict__.items()
+                      if k not in state and not k.startswith("_optimizer_")})
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for name, value in _ATTRIBUTE_DEFAULTS.items():
+            self.__dict__.setdefault(name, value)
+        self.__dict__.setdefault("_norm_versions", {})
+        for group in self.param_groups:  # groups saved before maximize existed
+            group.setdefault("maximize", False)
+        self.defaults.setdefault("maximize", False)
+
+    @contextlib.contextmanager
+    def _hooks_held(self, *names: str):
+        """Run the body with the named hook tables empty; yields the held tables."""
+        held = {name: getattr(self, name) for name in names}
+        try:
+            for name in names:
+                setattr(self, name, OrderedDict())
+            yield held
+        finally:
+            for name, hooks in held.items():
+                setattr(self, name, hooks)
 
     # -- subclass interface -------------------------------------------------------------
     def _propose_lowrank(self, p, layer, group, state, seed, ok) -> LowRankUpdate | None:
@@ -141,7 +244,7 @@ class SketchOptimizer(Optimizer):
         update or since ``load_state_dict``), else it is recomputed from ``p`` (one read).
         """
         cached = state.get("weight_sq_norm")
-        if cached is None or state.get("weight_sq_norm_version") != p._version:
+        if cached is None or self._norm_versions.get(p) != p._version:
             fresh = dispatch.sum_squares(p, chunk_rows=chunk_rows)
             if cached is None:
                 state["weight_sq_norm"] = fresh
@@ -165,7 +268,7 @@ class SketchOptimizer(Optimizer):
             projection_seed = getattr(getattr(update, "layer", None), "projection_seed", None)
         apply_update_record(update)
         if getattr(update, "sq_norm_out", None) is not None:
-            self.state[update.param]["weight_sq_norm_version"] = update.param._version
+            self._norm_versions[update.param] = update.param._version
         if records is not None:
             if isinstance(update, LowRankUpdate):
                 # the sketch is zeroed in place next; the record needs its own copy
@@ -267,46 +370,63 @@ class SketchOptimizer(Optimizer):
 
     def state_dict(self) -> dict:
         """torch.optim's state dict, with the device counters ``skipped`` read as ints (one
-        copy per device) and ``rgc_steps_taken``. ``weight_sq_norm`` (RGCOptimizer's cached
-        ``||W||^2``) is kept as the FP32 tensor it is, so a resumed run uses the same bits."""
-        sd = super().state_dict()
+        copy per device) and ``rgc_steps_taken``; post hooks see the final dict.
+        ``weight_sq_norm`` (RGCOptimizer's cached ``||W||^2``) is kept as the FP32 tensor it is,
+        so a resumed run uses the same bits."""
+        with self._hooks_held("_optimizer_state_dict_post_hooks") as held:
+            sd = super().state_dict()
         entries = [(k, v) for k, v in sd["state"].items() if "skipped" in v]
         counts = to_host([v["skipped"] for _, v in entries])
         self._warn_skipped(sum(int(c) for c in counts))
         state = dict(sd["state"])
         for (key, value), count in zip(entries, counts, strict=True):
-            state[key] = {k: v for k, v in value.items() if k != "weight_sq_norm_version"}
-            state[key]["skipped"] = int(count)
+            state[key] = {**value, "skipped": int(count)}
         sd["state"] = state
         sd["rgc_steps_taken"] = self.steps_taken
+        for hook in held["_optimizer_state_dict_post_hooks"].values():
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load state and put every compressed layer back on its saved projection.
 
         torch.optim casts tensor state to the parameter's dtype; here every state tensor keeps
-        its saved dtype (the FP32 moments of a BF16 weight stay FP32), so resume is
-        bit-identical.
+        its saved dtype (the FP32 moments of a BF16 weight stay FP32), and the counters of
+        :data:`INT_STATE_KEYS` become Python ints whatever format wrote them, so resume is
+        bit-identical. Load pre hooks run first and what they return is what is loaded; load
+        post hooks run last, when projections and state are restored.
         """
-        state_dict = dict(state_dict)
-        self.steps_taken = int(state_dict.pop("rgc_steps_taken", 0))
-        saved = state_dict["state"]
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        super().load_state_dict(state_dict)
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(ids, params, strict=True):
-            if pid not in saved:
-                continue
-            state = self.state[p]
-            for key, value in saved[pid].items():
-                if torch.is_tensor(value):
-                    state[key] = value.to(device=p.device, copy=True)
-            if "weight_sq_norm" in state:
-                # the saved norm belongs to the weights loaded with it (load them first)
-                state["weight_sq_norm_version"] = p._version
-            layer = compressed_layer_of(p)
-            if layer is not None and "projection_version" in state:
-                layer.seed = state["layer_seed"]
-                layer.set_projection_version(state["projection_version"])
-
-
+        pre, post = "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"
+        with self._hooks_held(pre, post) as held:
+            state_dict = dict(state_dict)
+            for hook in held[pre].values():
+                result = hook(self, state_dict)
+                if result is not None:
+                    state_dict = result
+            state_dict = dict(state_dict)
+            steps_taken = int(state_dict.pop("rgc_steps_taken", 0))
+            saved = state_dict["state"]
+            ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+            super().load_state_dict(state_dict)
+            self.steps_taken = steps_taken
+            params = [p for g in self.param_groups for p in g["params"]]
+            for pid, p in zip(ids, params, strict=True):
+                if pid not in saved:
+                    continue
+                state = self.state[p]
+                for key, value in saved[pid].items():
+                    if key in INT_STATE_KEYS:
+                        state[key] = int(value)
+                    elif torch.is_tensor(value):
+                        state[key] = value.to(device=p.device, copy=True)
+                if "weight_sq_norm" in state:
+                    # the saved norm belongs to the weights loaded with it (load them first)
+                    self._norm_versions[p] = p._version
+                layer = compressed_layer_of(p)
+                if layer is not None and "projection_version" in state:
+                    layer.seed = state["layer_seed"]
+                    layer.set_projection_version(state["projection_version"])
+        for hook in held[post].values():
+            hook(self)

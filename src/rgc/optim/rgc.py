@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rgc.optim.base import SketchOptimizer, check_common_args
+from rgc.optim.base import SketchOptimizer, check_common_args, group_lr
 from rgc.updates import DenseUpdate, LowRankUpdate
 
 
@@ -55,34 +55,46 @@ class RGCOptimizer(SketchOptimizer):
 
     Args:
         params: iterable of parameters or param groups (as torch.optim).
-        lr: ``tau``, the relative step ``||dW|| / ||W||``; see :func:`rgc.calibrate_lr`.
+        lr: ``tau``, the relative step ``||dW|| / ||W||``; see :func:`rgc.calibrate_lr`. A float
+            or a 0-dim tensor (read with ``float()`` at each step, so a scheduler may fill it in
+            place). Default 1e-3, torch.optim's default, for param groups that set their own.
         chunk_rows: rows of H rebuilt at once on the reference path (memory: chunk_rows x k FP32).
         stochastic_rounding: round BF16 weights stochastically (default) or to nearest.
         seed: key of the rounding bits.
         step_control: e.g. :class:`rgc.PredictedKL`; scales each step's updates by one alpha.
         keep_updates: keep the last step's factors for :meth:`export_update` (policy sync).
+        maximize: step along ``+H`` (ascend the objective) instead of ``-H``.
+
+    **Dtypes.** Weights of compressed layers are BF16 or FP32. Any other real parameter is
+    updated with FP32 arithmetic: an FP64 parameter receives an FP32-computed value each step
+    (precision beyond FP32 is lost), an FP16 one is written with round-to-nearest. Complex
+    parameters are refused at construction.
 
     ``zero_grad()`` clears sketches as well as gradients. A backward must complete before
     ``step()``: a forward run before a step and backpropagated after it raises.
     """
 
-    def __init__(self, params, lr: float, *, chunk_rows: int = 128,
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, *, chunk_rows: int = 128,
                  stochastic_rounding: bool = True, seed: int = 0, step_control=None,
-                 keep_updates: bool = False):
+                 keep_updates: bool = False, maximize: bool = False):
         check_common_args(lr, chunk_rows, seed)
         defaults = dict(lr=lr, chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding,
-                        seed=seed)
+                        seed=seed, maximize=maximize)
         super().__init__(params, defaults, step_control=step_control, keep_updates=keep_updates)
 
     def _propose_lowrank(self, p, layer, group, state, seed, ok) -> LowRankUpdate:
         chunk_rows = group["chunk_rows"]
         sq_norm = self._cached_sq_norm(p, state, chunk_rows)
         coef, active = normalized_coef(sq_norm.sqrt(), sketch_norm(layer.sketch, layer.projection),
-                                       group["lr"], ok)
+                                       group_lr(group, p.device), ok)
+        if group["maximize"]:
+            coef = -coef
         return LowRankUpdate(p, layer, layer.sketch, coef, 0.0, seed, chunk_rows,
                              group["stochastic_rounding"], active, sq_norm_out=sq_norm)
 
     def _propose_dense(self, p, group, state, seed, ok) -> DenseUpdate:
-        coef, active = normalized_coef(p.to(torch.float32).norm(),
-                                       p.grad.to(torch.float32).norm(), group["lr"], ok)
+        coef, active = normalized_coef(p.to(torch.float32).norm(), p.grad.to(torch.float32).norm(),
+                                       group_lr(group, p.device), ok)
+        if group["maximize"]:
+            coef = -coef
         return DenseUpdate(p, p.grad, coef, 0.0, seed, group["stochastic_rounding"], active)

@@ -11,6 +11,18 @@ from rgc.optim.base import SketchOptimizer, check_common_args
 from rgc.updates import DenseUpdate, LowRankUpdate
 
 
+def check_adam_args(betas, eps, weight_decay) -> None:
+    """ValueError for bad ``betas``, ``eps`` or ``weight_decay`` (as torch.optim.AdamW takes)."""
+    if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+            or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if (not isinstance(weight_decay, (int, float)) or not math.isfinite(weight_decay)
+            or weight_decay < 0):
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+
+
 def carry_moment(moment: torch.Tensor, old_projection: torch.Tensor,
                  new_projection: torch.Tensor) -> torch.Tensor:
     """A first moment ``m`` (d x r FP32) in the basis of ``old_projection`` moved to the new one.
@@ -60,35 +72,42 @@ class RowAdam(SketchOptimizer):
 
     Args:
         params: parameters or param groups (as torch.optim).
-        lr: step size (Adam's).
+        lr: step size (Adam's): a float or a 0-dim tensor (read with ``float()`` at each step).
+            Default 1e-3, as ``torch.optim.Adam``.
         betas, eps, weight_decay: as ``torch.optim.AdamW``.
         chunk_rows: rows of ``U P^T`` rebuilt at once on the reference path.
         stochastic_rounding: round BF16 weights stochastically (default) or to nearest.
         seed: key of the rounding bits.
         step_control: e.g. :class:`rgc.PredictedKL`; scales each step's updates by one alpha.
         keep_updates: keep the last step's factors for :meth:`export_update` (policy sync).
+        maximize: ascend the objective: the moments are fed ``-S`` (``-grad``), as
+            ``torch.optim.AdamW(maximize=True)`` does; weight decay still shrinks W.
+
+    **Dtypes.** Moments are FP32 and the arithmetic is FP32 whatever the parameter's dtype:
+    BF16 weights are written with stochastic rounding, an FP64 parameter receives an
+    FP32-computed value each step (precision beyond FP32 is lost), an FP16 one is rounded to
+    nearest. Complex parameters are refused at construction.
 
     State per compressed weight: ``exp_avg`` (d x r FP32), ``exp_avg_sq`` (d FP32), step
     counters, layer seed and projection version; ``state_dict`` round-trips bit-exactly.
     The weight decay, when non-zero, stays a pass over W of its own.
     """
 
-    def __init__(self, params, lr: float, *, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, chunk_rows: int = 128,
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, *,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, chunk_rows: int = 128,
                  stochastic_rounding: bool = True, seed: int = 0, step_control=None,
-                 keep_updates: bool = False):
+                 keep_updates: bool = False, maximize: bool = False):
         check_common_args(lr, chunk_rows, seed)
-        if (not isinstance(betas, (tuple, list)) or len(betas) != 2
-                or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
-        if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-            raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
-        if (not isinstance(weight_decay, (int, float)) or not math.isfinite(weight_decay)
-                or weight_decay < 0):
-            raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+        check_adam_args(betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding, seed=seed)
+                        chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding, seed=seed,
+                        maximize=maximize)
         super().__init__(params, defaults, step_control=step_control, keep_updates=keep_updates)
+
+    def _check_group(self, group: dict) -> None:
+        super()._check_group(group)
+        check_adam_args(group["betas"], group["eps"], group["weight_decay"])
 
     @staticmethod
     def _moments(state: dict, group: dict, grad: torch.Tensor, row_mean_square: bool,
@@ -115,19 +134,30 @@ class RowAdam(SketchOptimizer):
 
     @staticmethod
     def _coefs(group: dict, ok: torch.Tensor):
-        """``(coef, decay)``: ``lr`` and ``lr * weight_decay`` where ``ok``, else 0 (device)."""
+        """``(coef, decay)``: ``lr`` and ``lr * weight_decay`` where ``ok``, else 0 (device).
+
+        A tensor ``lr`` gives the bits of the float: ``lr * weight_decay`` is formed in float64
+        and rounded once to FP32, as Python's product is."""
         lr, wd = group["lr"], group["weight_decay"]
-        decay = torch.where(ok, lr * wd, 0.0) if wd != 0.0 else 0.0
+        if torch.is_tensor(lr):
+            lr = lr.detach().reshape(()).to(device=ok.device, dtype=torch.float64)
+            decay = (lr * wd).to(torch.float32)
+            lr = lr.to(torch.float32)
+        else:
+            decay = lr * wd
+        decay = torch.where(ok, decay, 0.0) if wd != 0.0 else 0.0
         return torch.where(ok, lr, 0.0), decay
 
     def _propose_lowrank(self, p, layer, group, state, seed, ok) -> LowRankUpdate:
-        factor = self._moments(state, group, layer.sketch, True, ok)
+        sketch = -layer.sketch if group["maximize"] else layer.sketch
+        factor = self._moments(state, group, sketch, True, ok)
         coef, decay = self._coefs(group, ok)
         return LowRankUpdate(p, layer, factor, coef, decay, seed, group["chunk_rows"],
                              group["stochastic_rounding"], ok)
 
     def _propose_dense(self, p, group, state, seed, ok) -> DenseUpdate:
-        direction = self._moments(state, group, p.grad, False, ok)
+        grad = -p.grad if group["maximize"] else p.grad
+        direction = self._moments(state, group, grad, False, ok)
         coef, decay = self._coefs(group, ok)
         return DenseUpdate(p, direction, coef, decay, seed, group["stochastic_rounding"], ok)
 
