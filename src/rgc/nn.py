@@ -56,6 +56,17 @@ def _check_refresh(refresh) -> None:
             f"got {refresh!r}")
 
 
+_ZEROS: dict[torch.device, torch.Tensor] = {}
+
+
+def _zero_scalar(device: torch.device) -> torch.Tensor:
+    """One FP32 zero per device, the storage behind every sketch slot (never written)."""
+    device = torch.device(device)
+    if device not in _ZEROS:
+        _ZEROS[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    return _ZEROS[device]
+
+
 def _take_sketch(layer_ref: weakref.ref, slot: torch.Tensor) -> None:
     """Move the gradient autograd accumulated on a sketch slot into ``layer.sketch``."""
     grad, slot.grad = slot.grad, None
@@ -141,15 +152,15 @@ class CompressedLinear(nn.Linear):
         self._new_sketch_slot()  # a backward of a forward run with the old P is refused
 
     def _new_sketch_slot(self) -> None:
-        """A fresh sketch slot: a d x r FP32 leaf with zero strides (4 bytes of storage).
+        """A fresh sketch slot: a d x r FP32 leaf with zero strides (no storage of its own).
 
         The backward of :class:`SketchedLinearFunction` returns the sketch ``D^T (X P)`` as the
         gradient of this leaf; autograd's accumulation (outside any compiled graph) hands it to
         :meth:`_take_sketch`, which adds it to ``self.sketch``. A slot belongs to one
         projection: it is replaced when ``P`` changes.
         """
-        slot = torch.empty_strided((self.out_features, self.rank), (0, 0), dtype=torch.float32,
-                                   device=self.weight.device).zero_().requires_grad_(True)
+        slot = _zero_scalar(self.weight.device).as_strided(
+            (self.out_features, self.rank), (0, 0)).requires_grad_(True)
         layer_ref = weakref.ref(self)
         slot.register_post_accumulate_grad_hook(lambda t: _take_sketch(layer_ref, t))
         self._sketch_slot = slot
