@@ -2,9 +2,9 @@
 
 Runs on a CPU in about a minute with nothing downloaded: a tiny random Qwen3 and a character
 tokenizer are built and saved locally (the reference model is loaded from that directory, as
-TRL does for a model given by path), and the reward is a program: the fraction of "1"
-characters in the completion. The script prints the probability of starting a completion with
-"1" before and after training, and saves a checkpoint that loads without rgc.
+TRL does for a model given by path), and the reward is a program: the fraction of digits
+(rather than letters) in the completion. The script prints the probability that a completion
+starts with a digit before and after training, and saves a checkpoint that loads without rgc.
 
     python examples/trl_grpo.py                # 12 steps, RowAdam + PredictedKL
     python examples/trl_grpo.py --optimizer rgc  # RGCOptimizer instead
@@ -53,17 +53,17 @@ def build_base(path: Path, seed: int) -> None:
     tokenizer.save_pretrained(path)
 
 
-def reward_ones(completions, **kwargs) -> list[float]:
-    """Fraction of "1" characters in each completion (a verifiable, programmatic reward)."""
-    return [c.count("1") / max(len(c), 1) for c in completions]
+def reward_digits(completions, **kwargs) -> list[float]:
+    """Fraction of digits in each completion (a verifiable, programmatic reward)."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
 @torch.no_grad()
-def first_token_prob(model, tokenizer, prompts, char: str = "1") -> float:
-    """Mean probability that the completion of each prompt starts with ``char``."""
+def first_token_digit_prob(model, tokenizer, prompts) -> float:
+    """Mean probability that the completion of each prompt starts with a digit."""
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    logits = model(**batch).logits[:, -1].float()
-    return float(torch.softmax(logits, -1)[:, tokenizer.convert_tokens_to_ids(char)].mean())
+    probs = torch.softmax(model(**batch).logits[:, -1].float(), -1)
+    return float(probs[:, tokenizer.convert_tokens_to_ids(list("0123456789"))].sum(-1).mean())
 
 
 def main(argv=None) -> dict:
@@ -89,7 +89,7 @@ def main(argv=None) -> dict:
     rng = random.Random(args.seed)
     prompts = ["".join(rng.choice(CHARS) for _ in range(6)) for _ in range(64)]
     probe = prompts[:16]
-    before = first_token_prob(model, tokenizer, probe)
+    before = first_token_digit_prob(model, tokenizer, probe)
 
     lr = args.lr if args.lr is not None else 2e-2
     if args.optimizer == "rowadam":
@@ -107,21 +107,21 @@ def main(argv=None) -> dict:
         save_strategy="no", report_to="none", use_cpu=True, seed=args.seed, bf16=False,
         disable_tqdm=True)
     trainer = with_rgc(GRPOTrainer)(
-        model=model, args=config, reward_funcs=reward_ones, processing_class=tokenizer,
+        model=model, args=config, reward_funcs=reward_digits, processing_class=tokenizer,
         train_dataset=Dataset.from_dict({"prompt": prompts}), rgc_optimizer=make_optimizer)
     assert trainer.ref_model is not None  # beta > 0: TRL loaded the reference from `base`
     trainer.train()
 
-    after = first_token_prob(model, tokenizer, probe)
+    after = first_token_digit_prob(model, tokenizer, probe)
     trainer.save_model(str(out / "final"))  # the plain Qwen3 checkpoint (same keys)
     logs = [h for h in trainer.state.log_history if "reward" in h]
-    result = {"p1_before": before, "p1_after": after, "reward_first": logs[0]["reward"],
+    result = {"p_digit_before": before, "p_digit_after": after, "reward_first": logs[0]["reward"],
               "reward_last": logs[-1]["reward"], "grad_norm_last": logs[-1]["grad_norm"],
               "out": str(out / "final")}
     control = trainer.optimizer.optimizer.step_control if args.optimizer == "rowadam" else None
     if control is not None:
         result["alpha_last"] = control.last["alpha"]
-    print(f"P(completion starts with '1'): {before:.3f} -> {after:.3f}; reward "
+    print(f"P(completion starts with a digit): {before:.3f} -> {after:.3f}; reward "
           f"{result['reward_first']:.3f} -> {result['reward_last']:.3f}; checkpoint: "
           f"{result['out']}")
     return result
