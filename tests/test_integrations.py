@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import rgc
-from rgc.integrations import clip_grad_norm_, grad_norm
+from rgc.integrations import clip_grad_norm_, grad_norm, with_rgc
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -128,7 +128,7 @@ def test_accelerate_accumulate_save_and_load_state(tmp_path):
         assert torch.equal(p, q)
 
 
-def test_plain_trainer_with_its_default_optimizer_is_refused(tmp_path):
+def test_plain_trainer_default_optimizer_refused_and_optimizers_argument(tmp_path):
     transformers = pytest.importorskip("transformers")
     example = load_example("hf_trainer")
     model = rgc.wrap(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
@@ -144,6 +144,21 @@ def test_plain_trainer_with_its_default_optimizer_is_refused(tmp_path):
         trainer.train()
     for n, p in model.named_parameters():
         assert torch.equal(p, weights[n]), n
+
+    # the optimizers= path of the rgc subclass: grad_norm is logged from the sketches
+    for _, layer in rgc.compressed_layers(model):
+        layer.zero_sketch()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2,
+                                          per_device_train_batch_size=4, report_to="none",
+                                          use_cpu=True, save_strategy="no", logging_steps=1,
+                                          max_grad_norm=1e-3)
+    opt = rgc.RowAdam(model.parameters(), lr=1e-3)
+    trainer = with_rgc(transformers.Trainer)(model=model, args=args, optimizers=(opt, None),
+                                             train_dataset=example.counting_data(8, 0))
+    trainer.train()
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    assert len(norms) == 2 and all(n > 1e-3 for n in norms)
+    assert trainer.optimizer.optimizer is opt and opt.steps_taken == 2
 
 
 def assert_checkpoint_is_plain(path, trained):

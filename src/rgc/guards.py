@@ -98,8 +98,8 @@ def _step_guard(optimizer, args, kwargs) -> None:
                     f"({layer.out_features} x {layer.in_features}); a compressed weight has no "
                     ".grad (its gradient is the sketch), so this optimizer would change nothing. "
                     "Use rgc.RGCOptimizer or rgc.RowAdam for the compressed weights (with "
-                    "transformers/TRL: rgc.integrations.rgc_optimizers(...) as optimizers=, or "
-                    "rgc.integrations.RGCTrainerMixin), or rgc.unwrap(model) to train densely")
+                    "transformers/TRL: rgc.integrations.with_rgc(TrainerClass)(...), which "
+                    "builds one), or rgc.unwrap(model) to train densely")
             if is_rgc and p.dtype not in SUPPORTED_WEIGHT_DTYPES:
                 raise TypeError(
                     f"a compressed weight ({layer.out_features} x {layer.in_features}) has dtype "
