@@ -17,7 +17,8 @@ Each check raises before any weight changes, with what to do instead:
     layers (``get_peft_model(rgc.wrap(model))``): peft freezes the base weights, and the
     normalised rgc update never moves LoRA's zero-initialised ``B``.
 
-The hook costs one dictionary lookup per parameter per step.
+The hook costs, per optimizer step, one dictionary lookup per parameter and one pass over the
+modules of the live wrapped models (microseconds next to the step itself).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def check_wrap_targets(model: nn.Module, chosen: list[tuple[str, nn.Module]]) ->
     for name, p in model.named_parameters(remove_duplicate=False):
         users.setdefault(id(p), []).append(name)
     for name, module in chosen:
-        others = [n for n in users.get(id(module.weight), []) if n != f"{name}.weight"]
+        weight = getattr(module, "weight", None)
+        others = [n for n in users.get(id(weight), []) if n != f"{name}.weight"]
         if others:
             raise ValueError(
                 f"target {name!r} shares its weight with {others} (tied weights, e.g. lm_head "

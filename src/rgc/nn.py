@@ -165,13 +165,6 @@ class CompressedLinear(nn.Linear):
         slot.register_post_accumulate_grad_hook(lambda t: _take_sketch(layer_ref, t))
         self._sketch_slot = slot
 
-    def accumulate_sketch(self, grad_out: torch.Tensor, xp: torch.Tensor) -> None:
-        """``sketch += grad_out^T xp`` in FP32. grad_out: (n, d), xp: (n, r)."""
-        if self.sketch is None:
-            self.sketch = torch.zeros(self.out_features, self.rank, dtype=torch.float32,
-                                      device=grad_out.device)
-        self.sketch.addmm_(grad_out.t().to(torch.float32), xp.to(torch.float32))
-
     def zero_sketch(self, set_to_none: bool = True) -> None:
         if set_to_none:
             self.sketch = None
