@@ -13,16 +13,17 @@ Each check raises before any weight changes, with what to do instead:
     so the optimizer would change nothing while the sketches pile up;
   - an rgc optimizer stepping a compressed weight whose dtype is not BF16/FP32 (e.g.
     ``model.to(torch.float16)`` after :func:`rgc.wrap`);
-  - any optimizer step while a wrapped model holds peft adapter layers around compressed
-    layers (``get_peft_model(rgc.wrap(model))``): peft freezes the base weights, and the
+  - the first step of any optimizer while a wrapped model holds peft adapter layers around
+    compressed layers (``get_peft_model(rgc.wrap(model))``): peft freezes the base weights, and the
     normalised rgc update never moves LoRA's zero-initialised ``B``.
 
-The hook costs, per optimizer step, one dictionary lookup per parameter and one pass over the
-modules of the live wrapped models (microseconds next to the step itself).
+The hook costs one dictionary lookup per parameter per step, and at an optimizer's first step
+one pass over the modules of the live wrapped models.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch.nn as nn
@@ -30,16 +31,22 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 _GUARD_HANDLE = None
 _WRAPPED_ROOTS: weakref.WeakSet = weakref.WeakSet()
+_PEFT_CHECKED: weakref.WeakSet = weakref.WeakSet()
 
 PEFT_HINT = ("rgc trains the full weights from sketches and takes the place of adapters; the "
              "two do not combine. Use rgc.wrap on the plain model (no peft), or merge the "
              "adapters first (peft_model.merge_and_unload()) and then rgc.wrap the result")
 
 
+@functools.cache
+def _is_peft_layer_type(cls: type) -> bool:
+    return any(c.__name__ == "BaseTunerLayer" and c.__module__.startswith("peft.")
+               for c in cls.__mro__)
+
+
 def is_peft_layer(module: nn.Module) -> bool:
     """True for a peft tuner layer (LoRA, IA3, ...), found by type without importing peft."""
-    return any(c.__name__ == "BaseTunerLayer" and c.__module__.startswith("peft.")
-               for c in type(module).__mro__)
+    return _is_peft_layer_type(type(module))
 
 
 def _is_peft_module(module: nn.Module) -> bool:
@@ -77,9 +84,10 @@ def _peft_around_compressed() -> str | None:
     from rgc.nn import CompressedLinear
 
     for root in list(_WRAPPED_ROOTS):
-        for name, module in root.named_modules():
+        for module in root.modules():
             if is_peft_layer(module) and any(isinstance(c, CompressedLinear)
                                              for c in module.children()):
+                name = next(n for n, m in root.named_modules() if m is module)
                 return f"{type(module).__name__} at {name!r}"
     return None
 
@@ -108,11 +116,13 @@ def _step_guard(optimizer, args, kwargs) -> None:
                     f"{p.dtype}; rgc updates {SUPPORTED_WEIGHT_DTYPES} weights only (was the "
                     "model converted after rgc.wrap?). Convert it back, e.g. "
                     "model.to(torch.bfloat16), before optimizer.step()")
-    if _WRAPPED_ROOTS:
+    # peft is applied before an optimizer is built on its parameters: scan at its first step
+    if _WRAPPED_ROOTS and optimizer not in _PEFT_CHECKED:
         where = _peft_around_compressed()
         if where is not None:
             raise RuntimeError(f"a wrapped model holds a peft adapter layer ({where}) around a "
                                f"CompressedLinear; {PEFT_HINT}")
+        _PEFT_CHECKED.add(optimizer)
 
 
 def install_step_guard() -> None:
