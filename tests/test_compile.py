@@ -3,7 +3,7 @@
 The compiled run uses the ``aot_eager`` backend: dynamo captures the graphs and AOTAutograd
 traces the backward (both are where rgc could break or recompile) without paying for
 inductor's code generation on a small CPU runner. Tolerance: FP32 weights, float
-reassociation only, so losses and weights agree to rtol = atol = 1e-5 after three steps.
+reassociation only, so losses and weights agree to rtol = atol = 1e-5 after two steps.
 """
 
 import copy
@@ -37,7 +37,7 @@ def train(model, ids, steps):
 
 
 def test_compiled_wrapped_model_matches_eager_without_breaks_or_recompiles():
-    model = rgc.wrap(tiny_qwen3(), rank=4)
+    model = rgc.wrap(tiny_qwen3(num_hidden_layers=1), rank=4)
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=gen)
 
@@ -50,9 +50,9 @@ def test_compiled_wrapped_model_matches_eager_without_breaks_or_recompiles():
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(twin, backend=counter)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        got = train(compiled, ids, steps=3)  # every step refreshes P and rewrites every W
+        got = train(compiled, ids, steps=2)  # every step refreshes P and rewrites every W
     assert counter.frame_count == 1
-    want = train(model, ids, steps=3)
+    want = train(model, ids, steps=2)
     assert got[-1] < got[0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
