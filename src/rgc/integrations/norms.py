@@ -88,7 +88,6 @@ def _distributed() -> bool:
             and torch.distributed.get_world_size() > 1)
 
 
-@torch.no_grad()
 def clip_grad_norm_(optimizer, max_norm: float) -> torch.Tensor:
     """Clip the pending gradient estimates of ``optimizer`` to ``max_norm`` (see module docs).
 
