@@ -182,16 +182,19 @@ class PredictedKL:
 
     Args:
         budget: KL per step at the start (> 0).
-        final_budget: KL per step after annealing (> 0), or ``None`` for a constant budget.
-        anneal_steps: steps from ``budget`` to ``final_budget`` (>= 1); required unless the
-            budget is constant.
+        final_budget: KL per step after annealing (> 0), or ``None`` (default) for a
+            constant budget.
+        anneal_steps: steps from ``budget`` to ``final_budget`` (>= 1); required when
+            ``final_budget`` differs from ``budget``.
+
+    ``PredictedKL()`` is a constant budget of 2e-4 per step.
         schedule: 'linear' or 'cosine'.
         max_scale: cap on alpha (> 0). The default 1.0 only ever shrinks the optimizer's
             step; a larger cap lets quiet directions take a longer step.
         measure_realised: run the extra forward for the realised KL.
     """
 
-    def __init__(self, budget: float = 2e-4, final_budget: float | None = 2e-5, *,
+    def __init__(self, budget: float = 2e-4, final_budget: float | None = None, *,
                  anneal_steps: int | None = None, schedule: str = "linear",
                  max_scale: float = 1.0,
                  measure_realised: bool = True):

@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from rgc.autograd import SketchedLinearFunction
+from rgc.guards import check_wrap_targets, install_step_guard, register_wrapped
 from rgc.projection import check_rank, make_projection
 from rgc.seeding import derive_seed
 
@@ -53,6 +54,33 @@ def _check_refresh(refresh) -> None:
         raise ValueError(
             f"refresh must be 'every_step', 'never' or a positive int N (every N updates), "
             f"got {refresh!r}")
+
+
+_ZEROS: dict[torch.device, torch.Tensor] = {}
+
+
+def _zero_scalar(device: torch.device) -> torch.Tensor:
+    """One FP32 zero per device, the storage behind every sketch slot (never written)."""
+    device = torch.device(device)
+    if device not in _ZEROS:
+        _ZEROS[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    return _ZEROS[device]
+
+
+def _take_sketch(layer_ref: weakref.ref, slot: torch.Tensor) -> None:
+    """Move the gradient autograd accumulated on a sketch slot into ``layer.sketch``."""
+    grad, slot.grad = slot.grad, None
+    layer = layer_ref()
+    if layer is None:
+        return
+    if slot is not layer._sketch_slot:
+        raise RuntimeError(
+            "the projection of this CompressedLinear changed between forward and backward "
+            "(optimizer.step() ran in between); call backward before step()")
+    if layer.sketch is None:
+        layer.sketch = grad
+    else:
+        layer.sketch.add_(grad)
 
 
 class CompressedLinear(nn.Linear):
@@ -104,7 +132,9 @@ class CompressedLinear(nn.Linear):
         self.projection_version = 0
         self.sketch: torch.Tensor | None = None
         self.register_buffer("projection", self._make_projection(), persistent=False)
+        self._new_sketch_slot()
         _register_owner(self.weight, self)
+        install_step_guard()
 
     def _make_projection(self) -> torch.Tensor:
         return make_projection(
@@ -121,17 +151,21 @@ class CompressedLinear(nn.Linear):
         self.projection_version = int(version)
         make_projection(self.projection_kind, self.in_features, self.rank,
                         seed=self.projection_seed, out=self.projection)
+        self._new_sketch_slot()  # a backward of a forward run with the old P is refused
 
-    def accumulate_sketch(self, grad_out: torch.Tensor, xp: torch.Tensor, version: int) -> None:
-        """``sketch += grad_out^T xp`` in FP32. grad_out: (n, d), xp: (n, r)."""
-        if version != self.projection_version:
-            raise RuntimeError(
-                "the projection of this CompressedLinear changed between forward and backward "
-                "(optimizer.step() ran in between); call backward before step()")
-        if self.sketch is None:
-            self.sketch = torch.zeros(self.out_features, self.rank, dtype=torch.float32,
-                                      device=grad_out.device)
-        self.sketch.addmm_(grad_out.t().to(torch.float32), xp.to(torch.float32))
+    def _new_sketch_slot(self) -> None:
+        """A fresh sketch slot: a d x r FP32 leaf with zero strides (no storage of its own).
+
+        The backward of :class:`SketchedLinearFunction` returns the sketch ``D^T (X P)`` as the
+        gradient of this leaf; autograd's accumulation (outside any compiled graph) hands it to
+        :meth:`_take_sketch`, which adds it to ``self.sketch``. A slot belongs to one
+        projection: it is replaced when ``P`` changes.
+        """
+        slot = _zero_scalar(self.weight.device).as_strided(
+            (self.out_features, self.rank), (0, 0)).requires_grad_(True)
+        layer_ref = weakref.ref(self)
+        slot.register_post_accumulate_grad_hook(lambda t: _take_sketch(layer_ref, t))
+        self._sketch_slot = slot
 
     def zero_sketch(self, set_to_none: bool = True) -> None:
         if set_to_none:
@@ -141,8 +175,8 @@ class CompressedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.weight.requires_grad:
-            _register_owner(self.weight, self)
-            return SketchedLinearFunction.apply(x, self.weight, self.bias, self)
+            return SketchedLinearFunction.apply(x, self.weight, self.bias, self.projection,
+                                                self._sketch_slot)
         return F.linear(x, self.weight, self.bias)
 
     def __setattr__(self, name, value):
@@ -153,19 +187,31 @@ class CompressedLinear(nn.Linear):
         if name == "weight" and isinstance(value, torch.Tensor):
             _register_owner(value, self)
 
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_sketch_slot", None)  # its hook points at this layer; a copy gets its own
+        return state
+
     def __setstate__(self, state):
         super().__setstate__(state)
         _register_owner(self.weight, self)
+        self._new_sketch_slot()
 
     def _apply(self, fn, recurse=True):
+        dtype = self.weight.dtype
+        super()._apply(fn, recurse)
+        # .to()/.cuda() may install new Parameter objects (overwrite-on-conversion mode) and
+        # move the weight: keep the owner registry and the sketch slot's device in step.
+        _register_owner(self.weight, self)
+        slot = getattr(self, "_sketch_slot", None)
+        if slot is not None and slot.device != self.weight.device:
+            self._new_sketch_slot()
         # P is a function of (seed, version, weight dtype). A cast such as model.to(float32)
         # would leave the old dtype's rounding in P, which a resumed run (regenerating P in the
         # new dtype) would not have: regenerate it so both use the same bits.
-        dtype = self.weight.dtype
-        result = super()._apply(fn, recurse)
         if self.weight.dtype != dtype and self.projection.device.type != "meta":
             self.set_projection_version(self.projection_version)
-        return result
+        return self
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, rank={self.rank}, projection={self.projection_kind!r}, "
@@ -241,6 +287,7 @@ def wrap(model: nn.Module, rank: int, *, targets: Targets = None,
             shown = sorted(shown)
         raise ValueError(f"targets {shown!r} matched no module; the model's nn.Linear layers "
                          f"are named {linear_names}")
+    check_wrap_targets(model, chosen)
     for name, module in chosen:
         if not isinstance(module, nn.Linear):
             hint = (" (transformers' GPT-2 Conv1D stores W transposed and is not supported; "
@@ -264,6 +311,7 @@ def wrap(model: nn.Module, rank: int, *, targets: Targets = None,
         layer = CompressedLinear.from_linear(module, rank, projection=projection,
                                              refresh=refresh, seed=derive_seed(seed, name))
         _set_submodule(model, name, layer)
+    register_wrapped(model)
     return model
 
 
