@@ -7,9 +7,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from rgc.autograd import SketchedLinearFunction
+from rgc.autograd import SketchedLinearFunction, linear_in
 from rgc.projection import check_rank, make_projection
 from rgc.seeding import derive_seed
 
@@ -67,6 +66,12 @@ class CompressedLinear(nn.Linear):
 
     ``P`` is regenerated from ``(seed, projection_version)``; the optimizer advances the
     version after an update according to ``refresh`` ('every_step', 'never' or every N).
+
+    ``compute_dtype`` (attribute, default ``None``: the weight's dtype) is the dtype of the
+    layer's matmuls, forward and backward: e.g. ``torch.float32`` for BF16 weights on a CPU
+    whose BF16 matmuls are slow (:func:`rgc.compute.use_compute_dtype` sets it). Each matmul
+    then upcasts a transient copy of the weight (and of its other operand); the weight stays
+    stored in its dtype, ``X P`` is saved in the input's dtype and the sketch is FP32 as always.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, rank: int,
@@ -102,6 +107,7 @@ class CompressedLinear(nn.Linear):
         self.seed = int(seed)
         self.projection_version = 0
         self.sketch: torch.Tensor | None = None
+        self.compute_dtype: torch.dtype | None = None
         self.register_buffer("projection", self._make_projection(), persistent=False)
         _register_owner(self.weight, self)
 
@@ -141,7 +147,7 @@ class CompressedLinear(nn.Linear):
         if torch.is_grad_enabled() and self.weight.requires_grad:
             _register_owner(self.weight, self)
             return SketchedLinearFunction.apply(x, self.weight, self.bias, self)
-        return F.linear(x, self.weight, self.bias)
+        return linear_in(x, self.weight, self.bias, self.compute_dtype)
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
@@ -152,6 +158,7 @@ class CompressedLinear(nn.Linear):
             _register_owner(value, self)
 
     def __setstate__(self, state):
+        state.setdefault("compute_dtype", None)
         super().__setstate__(state)
         _register_owner(self.weight, self)
 
