@@ -15,14 +15,13 @@ import torch
 import torch.nn.functional as F
 
 
-def _to(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
-    return t if t is None or dtype is None else t.to(dtype)
-
-
 def linear_in(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               dtype: torch.dtype | None) -> torch.Tensor:
-    """``F.linear`` computed in ``dtype`` (``None``: as stored), returned in ``x.dtype``."""
-    return F.linear(_to(x, dtype), _to(weight, dtype), _to(bias, dtype)).to(x.dtype)
+    """``F.linear`` computed in ``dtype`` and returned in ``x.dtype``; ``None``: plain F.linear."""
+    if dtype is None:
+        return F.linear(x, weight, bias)
+    bias = None if bias is None else bias.to(dtype)
+    return F.linear(x.to(dtype), weight.to(dtype), bias).to(x.dtype)
 
 
 class SketchedLinearFunction(torch.autograd.Function):
@@ -33,7 +32,10 @@ class SketchedLinearFunction(torch.autograd.Function):
         # Under torch.autocast both matmuls run in the autocast dtype, like nn.Linear's.
         dtype = layer.compute_dtype
         out = linear_in(x, weight, bias, dtype)
-        xp = torch.matmul(_to(x, dtype), _to(layer.projection, dtype)).to(x.dtype)
+        if dtype is None:
+            xp = torch.matmul(x, layer.projection)
+        else:
+            xp = torch.matmul(x.to(dtype), layer.projection.to(dtype)).to(x.dtype)
         ctx.save_for_backward(xp, weight)
         ctx.layer = layer
         ctx.projection_version = layer.projection_version
