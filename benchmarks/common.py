@@ -45,6 +45,9 @@ def environment() -> dict:
         "commit": commit or "unknown",
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
+        # The instruction set PyTorch's CPU kernels use (AVX2, AVX512, ...), after any
+        # ATEN_CPU_CAPABILITY cap; results differ in their last bits between them.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -52,6 +55,9 @@ def environment() -> dict:
         "transformers": _version("transformers"),
         "peft": _version("peft"),
     }
+    for flag in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+        if flag in os.environ:
+            env[flag] = os.environ[flag]
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
         env["cuda"] = torch.version.cuda

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+import rgc.compute
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -64,21 +66,28 @@ PRESETS = {
 }
 
 
-def build_method(kind: str, mult: float, base_state: dict, preset: Preset, seed: int):
+def build_method(kind: str, mult: float, base_state: dict, preset: Preset, seed: int,
+                 compute: rgc.compute.ComputeMode):
     cls = METHODS[kind]
     kwargs = dict(rank=preset.rank, seed=seed, steps=preset.grpo.steps)
     if kind == "rgc":  # tau = mult * calibrate_lr(model, adamw_lr)
-        return cls(base_state, preset.model, lr=preset.adamw_lr, tau_scale=mult, **kwargs)
-    lr = (preset.lora_lr if kind == "lora" else preset.adamw_lr) * mult
-    return cls(base_state, preset.model, lr=lr, **kwargs)
+        method = cls(base_state, preset.model, lr=preset.adamw_lr, tau_scale=mult, **kwargs)
+    else:
+        lr = (preset.lora_lr if kind == "lora" else preset.adamw_lr) * mult
+        method = cls(base_state, preset.model, lr=lr, **kwargs)
+    # After rgc.wrap / peft: the compute mode covers the policy as it will be called.
+    rgc.compute.use_compute_dtype(method.policy, compute)
+    return method
 
 
-def run_seed(preset: Preset, seed: int, cache_dir: Path, progress: bool) -> dict:
+def run_seed(preset: Preset, seed: int, cache_dir: Path, progress: bool,
+             compute: rgc.compute.ComputeMode) -> dict:
     train, dev, test = make_splits(seed, preset.n_train, preset.n_dev, preset.n_test)
     base_state, base_path = warm_start(preset.model, preset.warm, train, dev, seed, cache_dir,
-                                       progress=progress)
+                                       progress=progress, compute=compute)
     base = preset.model.build(seed)
     base.load_state_dict(base_state)
+    rgc.compute.use_compute_dtype(base, compute)
     base_dev = float(accuracy(base, dev).mean())
     base_test = accuracy(base, test)
     reference = base if preset.grpo.kl_coef > 0 else None
@@ -91,7 +100,7 @@ def run_seed(preset: Preset, seed: int, cache_dir: Path, progress: bool) -> dict
             continue
         best = None
         for mult in mults:
-            method = build_method(kind, mult, base_state, preset, seed)
+            method = build_method(kind, mult, base_state, preset, seed, compute)
             result = run_grpo(method, train, dev, preset.grpo, seed=seed, base_dev=base_dev,
                               reference=reference, progress=progress)
             runs.append(result)
@@ -207,9 +216,15 @@ def main(argv=None) -> Path:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: these matrices are too small to "
                              "gain from more, and one thread keeps timings steady)")
+    parser.add_argument("--compute", choices=["auto", "float32", "native"],
+                        help="matmul dtype for the BF16 policies: float32 (for CPUs without fast "
+                             "BF16 matmuls), native, or auto (measured); default: "
+                             f"${rgc.compute.ENV_VAR} if set, else auto")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    compute = rgc.compute.choose_compute_mode(override=args.compute)
+    print(f"compute mode: {compute}", flush=True)
     # peft 0.21 calls a transformers 5 API that warns of its own deprecation on every step.
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
@@ -219,10 +234,11 @@ def main(argv=None) -> Path:
     out = args.out or ROOT / "runs" / f"grpo_{name}"
     out.mkdir(parents=True, exist_ok=True)
 
-    results = [run_seed(preset, s, args.cache_dir, not args.no_progress) for s in seeds]
+    results = [run_seed(preset, s, args.cache_dir, not args.no_progress, compute)
+               for s in seeds]
     rows = table_rows(results)
     table = markdown_table(rows)
-    env = environment()
+    env = environment() | {"compute mode": str(compute)}
     notes = [f"preset `{name}`, seeds {list(seeds)}; methods run: "
              f"{', '.join(k for k in preset.candidates if k in METHODS)}"]
     notes += summary_notes(results)

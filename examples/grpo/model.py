@@ -14,6 +14,8 @@ from grpo.task import EOS, MAX_ANSWER_LEN, PAD, PROMPT_LEN, VOCAB_SIZE, answer_i
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+import rgc.compute
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -66,17 +68,21 @@ def response_mask(responses: torch.Tensor) -> torch.Tensor:
 
 
 def warm_start(model_config: ModelConfig, warm: WarmStart, train, dev, seed: int,
-               cache_dir: Path, progress: bool = True) -> tuple[dict, Path]:
+               cache_dir: Path, progress: bool = True,
+               compute: rgc.compute.ComputeMode | None = None) -> tuple[dict, Path]:
     """The base policy's BF16 state_dict, trained once and then loaded from ``cache_dir``.
 
-    The cache key hashes every setting that changes the result (model, warm start, seed,
-    questions, torch/transformers versions).
+    Training is in FP32; the dev checks decode the BF16 copy in the ``compute`` mode (the
+    GRPO phase's). The cache key hashes every setting that changes the result (model, warm
+    start, seed, questions, torch/transformers versions, and the compute mode if not native).
     """
-    key = json.dumps({"model": asdict(model_config), "warm": asdict(warm), "seed": seed,
-                      "train": [(q.a, q.b, q.op) for q in train],
-                      "dev": [(q.a, q.b, q.op) for q in dev],
-                      "torch": torch.__version__, "transformers": transformers.__version__},
-                     sort_keys=True)
+    settings = {"model": asdict(model_config), "warm": asdict(warm), "seed": seed,
+                "train": [(q.a, q.b, q.op) for q in train],
+                "dev": [(q.a, q.b, q.op) for q in dev],
+                "torch": torch.__version__, "transformers": transformers.__version__}
+    if compute is not None and compute.dtype is not None:
+        settings["compute"] = compute.name
+    key = json.dumps(settings, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"base-{digest}.safetensors"
     if path.exists():
@@ -106,6 +112,7 @@ def warm_start(model_config: ModelConfig, warm: WarmStart, train, dev, seed: int
             state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
             base = model_config.build(seed)
             base.load_state_dict(state)
+            rgc.compute.use_compute_dtype(base, compute)
             dev_acc = float(accuracy(base, dev).mean())
             bar.set_postfix(loss=f"{loss.item():.3f}", dev=f"{dev_acc:.3f}")
             if dev_acc >= warm.target_dev:

@@ -1,6 +1,6 @@
 """rgc: randomized gradient compression for full-weight RL post-training of LLMs."""
 
-from rgc import distributed, memory
+from rgc import compute, distributed, memory
 from rgc.calibrate import calibrate_lr
 from rgc.control import PredictedKL
 from rgc.distributed import DistributedRGCOptimizer
@@ -23,6 +23,7 @@ __all__ = [
     "apply_update",
     "calibrate_lr",
     "compressed_layers",
+    "compute",
     "distributed",
     "estimate_memory",
     "make_projection",

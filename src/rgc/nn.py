@@ -7,9 +7,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from rgc.autograd import SketchedLinearFunction
+from rgc.autograd import SketchedLinearFunction, linear_in
 from rgc.guards import check_wrap_targets, install_step_guard, register_wrapped
 from rgc.projection import check_rank, make_projection
 from rgc.seeding import derive_seed
@@ -96,6 +95,12 @@ class CompressedLinear(nn.Linear):
     ``P`` is regenerated from ``(seed, projection_version)``; the optimizer advances the
     version after an update according to ``refresh`` ('every_step', 'never' or every N).
     Casting the layer to another dtype (``model.to(torch.float32)``) regenerates ``P`` in it.
+
+    ``compute_dtype`` (attribute, default ``None``: the weight's dtype) is the dtype of the
+    layer's matmuls, forward and backward: e.g. ``torch.float32`` for BF16 weights on a CPU
+    whose BF16 matmuls are slow (:func:`rgc.compute.use_compute_dtype` sets it). Each matmul
+    then upcasts a transient copy of the weight (and of its other operand); the weight stays
+    stored in its dtype, ``X P`` is saved in the input's dtype and the sketch is FP32 as always.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, rank: int,
@@ -131,6 +136,7 @@ class CompressedLinear(nn.Linear):
         self.seed = int(seed)
         self.projection_version = 0
         self.sketch: torch.Tensor | None = None
+        self.compute_dtype: torch.dtype | None = None
         self.register_buffer("projection", self._make_projection(), persistent=False)
         self._new_sketch_slot()
         _register_owner(self.weight, self)
@@ -176,8 +182,8 @@ class CompressedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.weight.requires_grad:
             return SketchedLinearFunction.apply(x, self.weight, self.bias, self.projection,
-                                                self._sketch_slot)
-        return F.linear(x, self.weight, self.bias)
+                                                self._sketch_slot, self.compute_dtype)
+        return linear_in(x, self.weight, self.bias, self.compute_dtype)
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
@@ -193,6 +199,7 @@ class CompressedLinear(nn.Linear):
         return state
 
     def __setstate__(self, state):
+        state.setdefault("compute_dtype", None)
         super().__setstate__(state)
         _register_owner(self.weight, self)
         self._new_sketch_slot()

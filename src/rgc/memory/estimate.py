@@ -116,6 +116,8 @@ class MemoryEstimate:
             non-target parameters under RGC/RowAdam.
         activations: tensors saved for backward at ``batch x seq_len`` (0 if not given).
         temporaries: the transient at the peak moment (loss gradients, step temporaries).
+        compute_copies: with ``compute_dtype=torch.float32`` (:mod:`rgc.compute`), the largest
+            transient of one upcast matmul, included in ``temporaries`` where it applies.
 
     ``total`` is the predicted peak; ``at_peak`` splits it into what is live at that moment
     (its values add up to ``total``); ``phase`` names the moment ('backward start',
@@ -135,6 +137,7 @@ class MemoryEstimate:
     gradients: int = 0
     activations: int = 0
     temporaries: int = 0
+    compute_copies: int = 0
     total: int = 0
     phase: str = ""
     at_peak: dict = field(default_factory=dict)
@@ -360,10 +363,35 @@ def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
                                    2 * k * r + max(_refresh_temp(k, r, weight_itemsize), carry)))
 
 
+# -- compute mode (rgc.compute): FP32 matmuls on low-precision weights ----------------------
+
+def compute_copy_bytes(linears: Iterable[LinearShape], n_tokens: int = 0) -> int:
+    """Largest transient of one FP32-computed linear layer on ``n_tokens`` tokens, in bytes.
+
+    Under :func:`rgc.compute.use_compute_dtype` each matmul of a d x k linear layer (targets
+    and the others, e.g. lm_head) makes FP32 copies of its weight (4dk) and input (4nk) and an
+    FP32 result (4nd) that live until it returns; the input-gradient matmul of backward has
+    the same sizes. Attention run by SDPA is not upcast and adds nothing.
+    """
+    return max((4 * (s.d * s.k + n_tokens * s.k + n_tokens * s.d) for s in linears), default=0)
+
+
+def _with_compute_copies(phases: dict, copies: int) -> dict:
+    """Add ``copies`` to the transient of the phases in which the model's matmuls run.
+
+    A bound: the largest copy is assumed to coincide with the loss transient at backward
+    start and with the end-of-backward transient (the optimizer step computes in FP32 anyway).
+    """
+    return {name: (grads, temp + copies, acts) if name != "optimizer step" else (grads, temp,
+                                                                                   acts)
+            for name, (grads, temp, acts) in phases.items()}
+
+
 def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
                     targets: Iterable[str] | Callable | None = None, batch: int | None = None,
                     seq_len: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                    chunk_rows: int = 128, implementation: str = "torch") -> MemoryEstimate:
+                    chunk_rows: int = 128, implementation: str = "torch",
+                    compute_dtype: torch.dtype | None = None) -> MemoryEstimate:
     """Predict the memory of one training step of ``method`` on a model.
 
     Args:
@@ -379,6 +407,9 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
         chunk_rows: rows of H rebuilt at once by the reference RGC step.
         implementation: 'torch' (reference step, chunk temporaries) or 'triton' (fused kernel,
             no chunk of H is stored).
+        compute_dtype: ``torch.float32`` if the model runs under
+            :func:`rgc.compute.use_compute_dtype` with low-precision weights: adds the
+            transient FP32 copies of :func:`compute_copy_bytes` (``compute_copies``).
 
     Assumptions, per method (bytes per element in parentheses):
 
@@ -406,6 +437,8 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
         raise ValueError(f"method {method!r} needs rank= a positive integer, got {rank!r}")
     if implementation not in ("torch", "triton"):
         raise ValueError(f"implementation must be 'torch' or 'triton', got {implementation!r}")
+    if compute_dtype not in (None, torch.float32):
+        raise ValueError(f"compute_dtype must be torch.float32 or None, got {compute_dtype}")
     if (batch is None) != (seq_len is None):
         raise ValueError("give both batch= and seq_len= (for activations), or neither")
     if isinstance(model_or_config, nn.Module):
@@ -466,6 +499,10 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
                                        seq_len, wsize, chosen)
         est["activations"] = acts
         phases["backward start"] = (0, loss_temp, acts)
+    copies = 0
+    if compute_dtype is not None and wsize < FP32:
+        copies = compute_copy_bytes(spec.linears, (batch or 0) * (seq_len or 0))
+        phases = _with_compute_copies(phases, copies)
     phase, (grads_live, temp, acts_live) = max(phases.items(), key=lambda kv: sum(kv[1]))
     transient = {"rgc": ("sketch", "gradients"), "rowadam": ("sketch", "gradients"),
                  "lora": ("gradients",), "adamw": ()}[method]
@@ -474,5 +511,6 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
     at_peak["activations"] = acts_live
     at_peak["temporaries"] = temp
     return MemoryEstimate(method=method, rank=None if method == "adamw" else rank,
-                          temporaries=temp, total=sum(at_peak.values()), phase=phase,
+                          temporaries=temp, compute_copies=copies,
+                          total=sum(at_peak.values()), phase=phase,
                           at_peak=at_peak, **est)
