@@ -1,0 +1,337 @@
+"""rgc among memory-efficient optimizers: peak and held memory, speed and loss, side by side.
+
+One model (the ~110M random-init BF16 Qwen3 of ``benchmarks/memory.py``), one fixed batch, one
+process. For each method: build the model and optimizer inside ``torch.profiler`` with
+``profile_memory=True``, run a warm-up step (optimizer state is created lazily), then one
+measured step (forward with the loss, backward, optimizer step, ``zero_grad``). The profiler's
+memory events are the allocator's own (every allocation and free of the CPU allocator,
+including those made inside custom operators and compiled kernels), so every method is counted
+alike: ``held`` is what is live just before the measured step, ``peak`` the most live during it.
+Then the same model trains on, to 20 updates on the same batch; the loss after 20 updates over
+the loss before the first is a check that each method is set up to learn. Over the last steps a
+reference dense AdamW model takes one step after each step of the method, so the step-time and
+optimizer-step-time ratios are measured side by side (median of the per-pair ratios).
+
+Methods (the seven projections are the targets wherever a method targets layers; there every
+other parameter is frozen, as under rgc and LoRA; the AdamW variants train every parameter):
+
+* ``adamw``: the FP32-master mixed-precision recipe of ``benchmarks/memory.py``;
+* ``adamw-bf16``: ``torch.optim.AdamW(fused=True)`` on the BF16 parameters (BF16 moments);
+* ``lora``: peft LoRA r=64 with FP32 adapters (``benchmarks/memory.py``);
+* ``galore``: galore-torch ``GaLoreAdamW`` r=64 (SVD projection, gap 200, scale 0.25);
+* ``apollo`` / ``apollo-mini``: apollo-torch ``APOLLOAdamW``, random projection, r=64
+  channel-wise scaling (scale 1), and r=1 tensor-wise scaling (scale 128), as their paper;
+* ``adamw8bit`` / ``adamw4bit`` / ``adamw-bf16-sr``: torchao ``AdamW8bit``, ``AdamW4bit`` and
+  ``_AdamW(bf16_stochastic_round=True)`` on the BF16 parameters, whose per-parameter step
+  torchao compiles with ``torch.compile`` (inductor's CPU backend here);
+* ``bnb-adamw8bit``: bitsandbytes ``AdamW8bit`` on the BF16 parameters;
+* ``rgc`` and ``rowadam`` at r = 64, 128, 256.
+
+Every Adam-like method uses lr 1e-4 (LoRA and the projected methods included); rgc's tau is
+``rgc.calibrate_lr(model, adamw_lr=1e-4)``. A peer package that is missing, or a method that
+fails, gives a row whose note says why.
+
+    PYTHONPATH=src python benchmarks/peers.py            # full run, writes results/peers.*
+    PYTHONPATH=src python benchmarks/peers.py --quick    # tiny model, no result files
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+import traceback
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import rgc
+from rgc.memory import estimate_memory
+
+try:
+    from benchmarks.common import RESULTS, environment, markdown_table
+    from benchmarks.memory import FULL, QUICK, TARGETS, build, fixed_batch, new_model, qwen3_config
+except ImportError:  # run as a script from benchmarks/
+    from common import RESULTS, environment, markdown_table
+    from memory import FULL, QUICK, TARGETS, build, fixed_batch, new_model, qwen3_config
+
+MIB = 2**20
+LR = 1e-4
+STEPS = 20
+MARK = "peers::measured_step"
+
+#: (method, rank, estimator method or None, note)
+RUNS = [
+    ("adamw", None, "adamw", "FP32 master copy and gradient buffers, fused AdamW"),
+    ("adamw-bf16", None, "adamw-bf16", "torch AdamW(fused) on BF16 params, BF16 moments"),
+    ("lora", 64, "lora", "peft, FP32 adapters, fused AdamW"),
+    ("galore", 64, "galore", "galore-torch GaLoreAdamW, SVD projector (gap 200, scale 0.25)"),
+    ("apollo", 64, "apollo", "apollo-torch APOLLOAdamW, random projector, channel scaling"),
+    ("apollo-mini", 1, "apollo-mini", "apollo-torch APOLLOAdamW r=1, tensor scaling x128"),
+    ("adamw8bit", None, "adamw8bit", "torchao AdamW8bit on BF16 params"),
+    ("adamw4bit", None, "adamw4bit", "torchao AdamW4bit on BF16 params"),
+    ("adamw-bf16-sr", None, "adamw-bf16-sr",
+     "torchao _AdamW(bf16_stochastic_round=True), BF16 moments"),
+    ("bnb-adamw8bit", None, "bnb-adamw8bit", "bitsandbytes AdamW8bit on BF16 params"),
+    *[(m, r, m, "rgc.wrap, reference (CPU) step") for m in ("rgc", "rowadam")
+      for r in (64, 128, 256)],
+]
+PEER_PACKAGES = {"galore": "galore_torch", "apollo": "apollo_torch", "apollo-mini": "apollo_torch",
+                 "adamw8bit": "torchao", "adamw4bit": "torchao", "adamw-bf16-sr": "torchao",
+                 "bnb-adamw8bit": "bitsandbytes", "lora": "peft"}
+
+
+def _targets_only(model) -> list:
+    """Freeze every parameter but the target projections' weights; return those weights."""
+    chosen = []
+    for name, p in model.named_parameters():
+        hit = name.rsplit(".", 2)[-2] in TARGETS
+        p.requires_grad_(hit)
+        if hit:
+            chosen.append(p)
+    return chosen
+
+
+def build_method(method: str, rank: int | None, numbers: dict):
+    """The model and optimizer of one row (call inside the profiler)."""
+    if method in ("adamw", "lora", "rgc", "rowadam"):
+        model, opt = build(method, rank, numbers)
+        if method in ("rgc", "rowadam"):
+            lr = rgc.calibrate_lr(model, adamw_lr=LR)
+        else:
+            lr = LR
+        for group in (opt.opt if method == "adamw" else opt).param_groups:
+            group["lr"] = lr
+        return model, opt
+    model = new_model(numbers)
+    if method == "adamw-bf16":
+        return model, torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    if method in ("galore", "apollo", "apollo-mini"):
+        weights = _targets_only(model)
+        if method == "galore":
+            from galore_torch import GaLoreAdamW
+
+            group = dict(params=weights, rank=rank, update_proj_gap=200, scale=0.25,
+                         proj_type="std")
+            return model, GaLoreAdamW([group], lr=LR)
+        from apollo_torch import APOLLOAdamW
+
+        group = dict(params=weights, rank=rank, proj="random", update_proj_gap=200,
+                     proj_type="std", scale_type="channel" if method == "apollo" else "tensor",
+                     scale=1 if method == "apollo" else 128)
+        return model, APOLLOAdamW([group], lr=LR)
+    if method in ("adamw8bit", "adamw4bit", "adamw-bf16-sr"):
+        import torchao.optim as ao
+
+        make = {"adamw8bit": ao.AdamW8bit, "adamw4bit": ao.AdamW4bit,
+                "adamw-bf16-sr": lambda ps, lr: ao._AdamW(ps, lr=lr,
+                                                           bf16_stochastic_round=True)}[method]
+        return model, make(model.parameters(), lr=LR)
+    if method == "bnb-adamw8bit":
+        import bitsandbytes as bnb
+
+        return model, bnb.optim.AdamW8bit(model.parameters(), lr=LR)
+    raise ValueError(f"unknown method {method!r}")
+
+
+def timed_step(model, opt, ids) -> tuple[float, float, float]:
+    """(loss, whole-step seconds, optimizer step + zero_grad seconds)."""
+    start = time.perf_counter()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    mid = time.perf_counter()
+    opt.step()
+    opt.zero_grad()
+    end = time.perf_counter()
+    return loss.item(), end - start, end - mid
+
+
+def allocator_bytes(prof) -> tuple[int, int]:
+    """(held before, peak during) the step marked ``MARK``, from the profiler's memory events.
+
+    Frees of blocks allocated before profiling began are not reported by the profiler, so
+    the running sum counts exactly what was allocated inside the profiled block.
+    """
+    events = prof.profiler.kineto_results.events()
+    mark = next(e for e in events if e.name() == MARK)
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    live, held, peak = 0, None, 0
+    for t, nbytes in memory:
+        if t > mark.end_ns():
+            break
+        if held is None and t >= mark.start_ns():
+            held = peak = live
+        live += nbytes
+        if held is not None:
+            peak = max(peak, live)
+    return (live if held is None else held), peak
+
+
+def run_method(method, rank, numbers, reference, timed_pairs: int) -> dict:
+    """Measure one row; ``reference`` is the (model, optimizer) of the timing baseline."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        ids = fixed_batch(numbers)
+        model, opt = build_method(method, rank, numbers)
+        first_loss = timed_step(model, opt, ids)[0]  # warm-up: lazy state, compilation
+        with record_function(MARK):
+            timed_step(model, opt, ids)
+    held, peak = allocator_bytes(prof)
+    del prof
+    ratios_step, ratios_opt = [], []
+    for i in range(2, STEPS):
+        _, step_s, opt_s = timed_step(model, opt, ids)
+        if i >= STEPS - timed_pairs:
+            _, ref_step, ref_opt = timed_step(*reference, ids)
+            ratios_step.append(step_s / ref_step)
+            ratios_opt.append(opt_s / ref_opt)
+    with torch.no_grad():
+        last_loss = model(input_ids=ids, labels=ids).loss.item()
+    del model, opt
+    gc.collect()
+    return {"peak_bytes": peak, "held_bytes": held,
+            "opt_step_vs_adamw": statistics.median(ratios_opt),
+            "step_vs_adamw": statistics.median(ratios_step),
+            "loss_ratio_20": last_loss / first_loss}
+
+
+def estimated_peak(method: str | None, rank, numbers) -> int | None:
+    if method is None:
+        return None
+    try:
+        est = estimate_memory(qwen3_config(numbers).to_dict(), method=method, rank=rank,
+                              targets=TARGETS, batch=numbers["batch"],
+                              seq_len=numbers["seq_len"])
+    except ValueError:
+        return None
+    return est.total
+
+
+def run(numbers: dict, timed_pairs: int, only: list[str] | None = None) -> list[dict]:
+    import importlib.util
+
+    reference = build("adamw", None, numbers)
+    for group in reference[1].opt.param_groups:
+        group["lr"] = LR
+    rows = []
+    for method, rank, est_method, note in RUNS:
+        if only and method not in only:
+            continue
+        row = {"method": method, "rank": rank, "peak_bytes": None, "held_bytes": None,
+               "opt_step_vs_adamw": None, "step_vs_adamw": None, "loss_ratio_20": None,
+               "note": note, "estimated_peak_bytes": estimated_peak(est_method, rank, numbers)}
+        package = PEER_PACKAGES.get(method)
+        if package and importlib.util.find_spec(package) is None:
+            row["note"] = f"not run: {package} is not installed (pip install 'rgc-torch[peers]')"
+        else:
+            start = time.perf_counter()
+            try:
+                row |= run_method(method, rank, numbers, reference, timed_pairs)
+            except Exception as e:  # a failing peer is a row that says why
+                traceback.print_exc()
+                row["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            print(f"{method:14s} r={rank}: {_fmt_row(row)} ({time.perf_counter() - start:.0f} s)",
+                  flush=True)
+        rows.append(row)
+    return rows
+
+
+def _fmt_row(row: dict) -> str:
+    if row["peak_bytes"] is None:
+        return row["note"]
+    return (f"peak {row['peak_bytes'] / MIB:.1f} MiB, held {row['held_bytes'] / MIB:.1f} MiB, "
+            f"step x{row['step_vs_adamw']:.2f}, opt x{row['opt_step_vs_adamw']:.2f}, "
+            f"loss x{row['loss_ratio_20']:.3f}")
+
+
+def table_rows(rows: list[dict]) -> list[dict]:
+    """The markdown table: MiB, ratios, the estimate beside the measured peak."""
+    out = []
+    for r in rows:
+        measured, est = r["peak_bytes"], r["estimated_peak_bytes"]
+
+        def mib(b):
+            return "-" if b is None else f"{b / MIB:.1f}"
+
+        def num(x):
+            return "-" if x is None else f"{x:.3g}"
+
+        err = "-" if measured is None or est is None else f"{100 * (est - measured) / measured:+.2f}%"
+        out.append({"method": r["method"], "rank": "-" if r["rank"] is None else r["rank"],
+                    "peak MiB": mib(measured), "held MiB": mib(r["held_bytes"]),
+                    "estimated peak MiB": mib(est), "estimate error": err,
+                    "step / AdamW": num(r["step_vs_adamw"]),
+                    "opt step / AdamW": num(r["opt_step_vs_adamw"]),
+                    "loss after 20 / start": num(r["loss_ratio_20"]), "note": r["note"]})
+    return out
+
+
+def plot(rows: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if r["peak_bytes"] is not None]
+    labels = [r["method"] + ("" if r["rank"] is None else f"\nr={r['rank']}") for r in done]
+    x = range(len(done))
+    fig, ax = plt.subplots(figsize=(max(7, len(done) * 0.8), 4.2))
+    ax.bar([i - 0.2 for i in x], [r["peak_bytes"] / MIB for r in done], 0.4,
+           label="peak during a step")
+    ax.bar([i + 0.2 for i in x], [r["held_bytes"] / MIB for r in done], 0.4,
+           label="held between steps")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("MiB (allocator)")
+    ax.set_title("Qwen3 ~110M, BF16, batch 2 x 64, CPU: memory of one training step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, no result files")
+    parser.add_argument("--timed-pairs", type=int, default=4,
+                        help="steps (of the 20) each followed by a timed reference AdamW step")
+    parser.add_argument("--only", nargs="+", default=None, help="run only these methods")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    # torchao compiles its step once per parameter shape; the default limit of 8 recompiles
+    # would silently send the remaining shapes to eager mode.
+    torch._dynamo.config.cache_size_limit = 64
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    numbers = QUICK if args.quick else FULL
+    rows = run(numbers, args.timed_pairs, args.only)
+    table = markdown_table(table_rows(rows))
+    print(table)
+    if args.quick:
+        return
+    env = environment() | {pkg: _version(pkg) for pkg in
+                           ("galore-torch", "apollo-torch", "torchao", "bitsandbytes")}
+    (RESULTS / "peers.json").write_text(json.dumps({"rows": rows, "env": env}, indent=2))
+    shape = ", ".join(f"{k}={v}" for k, v in numbers.items())
+    env_lines = "\n".join(f"- {k}: {v}" for k, v in env.items())
+    notes = (RESULTS / "peers_notes.md").read_text() if (RESULTS / "peers_notes.md").exists() \
+        else ""
+    (RESULTS / "peers.md").write_text(
+        "# rgc among memory-efficient optimizers (measured)\n\n"
+        f"Model and batch: {shape}.\n\n{table}\n\n{notes}\n\n![memory](peers.png)\n\n"
+        f"## Environment\n\n{env_lines}\n")
+    plot(rows, RESULTS / "peers.png")
+
+
+def _version(pkg: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+if __name__ == "__main__":
+    main()
