@@ -119,7 +119,8 @@ def build_method(method: str, rank: int | None, numbers: dict):
             return model, GaLoreAdamW([group], lr=LR)
         from apollo_torch import APOLLOAdamW
 
-        group = dict(params=weights, rank=rank, proj="random", update_proj_gap=200,
+        group = dict(params=weights, rank=1 if method == "apollo-mini" else rank, proj="random",
+                     update_proj_gap=200,
                      proj_type="std", scale_type="channel" if method == "apollo" else "tensor",
                      scale=1 if method == "apollo" else 128)
         return model, APOLLOAdamW([group], lr=LR)
@@ -170,8 +171,12 @@ def allocator_bytes(prof) -> tuple[int, int]:
     return (live if held is None else held), peak
 
 
-def run_method(method, rank, numbers, reference, timed_pairs: int) -> dict:
-    """Measure one row; ``reference`` is the (model, optimizer) of the timing baseline."""
+def measure_memory(method: str, rank: int | None, numbers: dict) -> dict:
+    """Build one method, take a warm-up and a measured step; allocator bytes held and peak.
+
+    Returns ``held_bytes``, ``peak_bytes``, the ``model``, ``opt`` and ``ids`` (for more
+    steps) and ``first_loss`` (the warm-up's, before any update).
+    """
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         ids = fixed_batch(numbers)
         model, opt = build_method(method, rank, numbers)
@@ -179,7 +184,16 @@ def run_method(method, rank, numbers, reference, timed_pairs: int) -> dict:
         with record_function(MARK):
             timed_step(model, opt, ids)
     held, peak = allocator_bytes(prof)
-    del prof
+    return {"held_bytes": held, "peak_bytes": peak, "model": model, "opt": opt, "ids": ids,
+            "first_loss": first_loss}
+
+
+def run_method(method, rank, numbers, reference, timed_pairs: int) -> dict:
+    """Measure one row; ``reference`` is the (model, optimizer) of the timing baseline."""
+    got = measure_memory(method, rank, numbers)
+    model, opt, ids, first_loss = got["model"], got["opt"], got["ids"], got["first_loss"]
+    held, peak = got["held_bytes"], got["peak_bytes"]
+    del got
     ratios_step, ratios_opt = [], []
     for i in range(2, STEPS):
         _, step_s, opt_s = timed_step(model, opt, ids)

@@ -176,7 +176,7 @@ def test_step_temporaries_bound_the_measured_step(method, d, k, r):
 def test_bad_input_is_explained(tmp_path):
     cfg = CONFIGS / "qwen3-1.7b.json"
     with pytest.raises(ValueError, match="method must be one of"):
-        estimate_memory(cfg, method="galore", rank=8)
+        estimate_memory(cfg, method="sgd", rank=8)
     with pytest.raises(ValueError, match="needs rank"):
         estimate_memory(cfg, method="rgc")
     with pytest.raises(ValueError, match="give both"):
