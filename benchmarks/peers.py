@@ -272,7 +272,8 @@ def table_rows(rows: list[dict]) -> list[dict]:
         def num(x):
             return "-" if x is None else f"{x:.3g}"
 
-        err = "-" if measured is None or est is None else f"{100 * (est - measured) / measured:+.2f}%"
+        err = ("-" if measured is None or est is None
+               else f"{100 * (est - measured) / measured:+.2f}%")
         out.append({"method": r["method"], "rank": "-" if r["rank"] is None else r["rank"],
                     "peak MiB": mib(measured), "held MiB": mib(r["held_bytes"]),
                     "estimated peak MiB": mib(est), "estimate error": err,
@@ -305,6 +306,128 @@ def plot(rows: list[dict], path) -> None:
     plt.close(fig)
 
 
+AXES = {"peak_bytes": "peak", "held_bytes": "held", "step_vs_adamw": "step time",
+        "opt_step_vs_adamw": "optimizer step time"}
+
+
+def winners(rows: list[dict]) -> dict[int, list[str]]:
+    """Row index -> the axes (lowest peak, held, step and optimizer-step time) it is best on."""
+    out: dict[int, list[str]] = {}
+    for key, axis in AXES.items():
+        done = [(r[key], i) for i, r in enumerate(rows) if r[key] is not None]
+        if done:
+            out.setdefault(min(done)[1], []).append(axis)
+    return out
+
+
+NOTES = """Peak: the most bytes live in the CPU allocator during the measured step (profiler
+memory events: every allocation, custom operators and compiled kernels included); held: live
+just before it (weights, optimizer state, projections; gradients are freed by ``zero_grad``).
+The estimate is ``rgc.estimate_memory`` with ``implementation='torch'`` (the CPU paths).
+Times are ratios to a reference dense AdamW step taken right after each of the last timed
+steps of the method (median), with one torch thread on a shared 2-core machine: indicative
+only. "loss after 20 / start": the loss on the training batch after 20 updates over the loss
+before the first; every method trains the same batch at lr 1e-4 (rgc: the calibrated tau).
+GaLore and APOLLO: the measured step is a steady one (their projections are refreshed every
+200 steps; GaLore's refresh adds an FP32 SVD of each gradient, not in this peak). The
+estimator's step temporaries of the torchao and bitsandbytes steps are measured figures
+(``rgc.memory.estimate.DENSE_STEP_TEMPORARIES``), so their agreement here is a check of the
+state layouts, not an independent prediction of the step."""
+
+
+def render(rows: list[dict], numbers: dict, env: dict) -> str:
+    """peers.md: the table (with the estimate beside each measured peak) and the notes."""
+    for r in rows:  # the estimate of the current estimator
+        est_method = next((e for m, rk, e, _ in RUNS if m == r["method"] and rk == r["rank"]),
+                          None)
+        r["estimated_peak_bytes"] = estimated_peak(est_method, r["rank"], numbers)
+    table = table_rows(rows)
+    best = winners(rows)
+    for i, t in enumerate(table):
+        t["lowest of all"] = ", ".join(best.get(i, [])) or "-"
+    shape = ", ".join(f"{k}={v}" for k, v in numbers.items())
+    env_lines = "\n".join(f"- {k}: {v}" for k, v in env.items())
+    return ("# rgc among memory-efficient optimizers (measured)\n\n"
+            f"Model and batch: {shape}.\n\n{markdown_table(table)}\n\n{NOTES}\n\n"
+            f"![memory](peers.png)\n\n## Environment\n\n{env_lines}\n")
+
+
+#: The predicted table: configs, tokens per GPU, the methods (estimator name, rank).
+SCALE_CONFIGS = ("qwen3-1.7b", "qwen3-8b", "llama-3-70b")
+SCALE_BATCH, SCALE_SEQ, SCALE_GPUS, BUDGET = 1, 2048, 8, 80 * 10**9
+SCALE_METHODS = [("adamw", None), ("adamw-bf16", None), ("adamw8bit", None),
+                 ("adamw4bit", None), ("bnb-adamw8bit", None), ("lora", 64), ("galore", 64),
+                 ("apollo", 64), ("apollo-mini", None), ("rgc", 64), ("rgc", 256),
+                 ("rowadam", 64)]
+
+
+def predict() -> tuple[list[dict], list[dict]]:
+    """Per config and method: state and peak per GPU on one GPU and FSDP2 over 8 (GiB), and
+    per method the largest of the configs whose peak fits in 80 GB."""
+    configs = RESULTS.parent / "configs"
+    rows, fits = [], {}
+    for name in SCALE_CONFIGS:
+        cfg = configs / f"{name}.json"
+        per_model = []
+        for method, rank in SCALE_METHODS:
+            row = {"model": name, "method": method, "rank": "-" if rank is None else rank}
+            for gpus in (1, SCALE_GPUS):
+                col = "1 GPU" if gpus == 1 else f"FSDP2 x{gpus}"
+                try:
+                    e = estimate_memory(cfg, method=method, rank=rank, batch=SCALE_BATCH,
+                                        seq_len=SCALE_SEQ, implementation="triton", fsdp=gpus)
+                except ValueError:  # no FSDP2 model for this method
+                    row[f"state GiB, {col}"] = row[f"peak GiB, {col}"] = None
+                    fits[(method, rank, col)] = "n/a"
+                    continue
+                row[f"state GiB, {col}"] = e.state / 2**30
+                row[f"peak GiB, {col}"] = e.total / 2**30
+                if e.total <= BUDGET:
+                    fits[(method, rank, col)] = name  # the configs grow in size
+            per_model.append(row)
+        for key in [k for k in per_model[0] if "GiB" in k]:
+            done = [(r[key], i) for i, r in enumerate(per_model) if r[key] is not None]
+            per_model[min(done)[1]].setdefault("lowest", []).append(key)
+        rows += per_model
+    table = []
+    for r in rows:
+        cells = {k: ("n/a" if v is None else f"{v:.2f}" if isinstance(v, float) else v)
+                 for k, v in r.items() if k != "lowest"}
+        cells["lowest of all"] = "; ".join(r.get("lowest", [])) or "-"
+        table.append(cells)
+    largest = [{"method": m, "rank": "-" if rk is None else rk,
+                "largest that fits, 1 GPU": fits.get((m, rk, "1 GPU"), "none"),
+                f"largest that fits, FSDP2 x{SCALE_GPUS}":
+                    fits.get((m, rk, f"FSDP2 x{SCALE_GPUS}"), "none")}
+               for m, rk in SCALE_METHODS]
+    return table, largest
+
+
+SCALE_NOTES = f"""Predicted by ``rgc.estimate_memory`` (GPU paths: ``implementation='triton'``,
+bitsandbytes' CUDA kernel) at batch {SCALE_BATCH} x {SCALE_SEQ} tokens per GPU, BF16 weights,
+no activation checkpointing, SDPA attention; GiB = 2**30 bytes, the 80 GB budget is 80e9
+bytes. "state" is everything a method adds to the weights except activations and transients
+(optimizer state, master copy, gradients, adapters, sketches, projections). FSDP2: weights,
+gradients, master copy, optimizer state and adapters sharded over the GPUs; rgc's sketches and
+projections are whole on every GPU (the sketches are reduce-scattered at the step); the root
+module's parameters (embedding, lm_head) and two decoder layers are gathered during forward and
+backward. RowAdam, galore-torch and apollo-torch do not run on FSDP2's sharded parameters
+(n/a). Configs: ``benchmarks/configs/`` (public architecture numbers; the 70B is Llama-3-70B's
+shape). "largest that fits" is the largest of these three models whose predicted peak fits.
+Dense AdamW is the FP32-master recipe; the 8-bit and 4-bit AdamW variants train every
+parameter in BF16; LoRA, GaLore, APOLLO and rgc train the seven projections only."""
+
+
+def write_predictions() -> None:
+    table, largest = predict()
+    text = ("# rgc among memory-efficient optimizers (predicted at LLM scale)\n\n"
+            f"{markdown_table(table)}\n\n{markdown_table(largest)}\n\n{SCALE_NOTES}\n")
+    (RESULTS / "peers_scale.md").write_text(text)
+    (RESULTS / "peers_scale.json").write_text(json.dumps(
+        {"rows": table, "largest": largest, "env": environment()}, indent=2))
+    print(text)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, no result files")
@@ -312,7 +435,20 @@ def main(argv=None) -> None:
                         help="steps (of the 20) each followed by a timed reference AdamW step")
     parser.add_argument("--only", nargs="+", default=None, help="run only these methods")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--render", action="store_true",
+                        help="rewrite peers.md and peers.png from peers.json (no measuring)")
+    parser.add_argument("--predict", action="store_true",
+                        help="write the predicted table, peers_scale.md/.json (no measuring)")
     args = parser.parse_args(argv)
+    if args.predict:
+        write_predictions()
+        return
+    if args.render:
+        saved = json.loads((RESULTS / "peers.json").read_text())
+        (RESULTS / "peers.md").write_text(render(saved["rows"], FULL, saved["env"]))
+        (RESULTS / "peers.json").write_text(json.dumps(saved, indent=2))
+        plot(saved["rows"], RESULTS / "peers.png")
+        return
     torch.set_num_threads(args.threads)
     # torchao compiles its step once per parameter shape; the default limit of 8 recompiles
     # would silently send the remaining shapes to eager mode.
@@ -320,21 +456,13 @@ def main(argv=None) -> None:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     numbers = QUICK if args.quick else FULL
     rows = run(numbers, args.timed_pairs, args.only)
-    table = markdown_table(table_rows(rows))
-    print(table)
+    print(markdown_table(table_rows(rows)))
     if args.quick:
         return
     env = environment() | {pkg: _version(pkg) for pkg in
                            ("galore-torch", "apollo-torch", "torchao", "bitsandbytes")}
+    (RESULTS / "peers.md").write_text(render(rows, numbers, env))
     (RESULTS / "peers.json").write_text(json.dumps({"rows": rows, "env": env}, indent=2))
-    shape = ", ".join(f"{k}={v}" for k, v in numbers.items())
-    env_lines = "\n".join(f"- {k}: {v}" for k, v in env.items())
-    notes = (RESULTS / "peers_notes.md").read_text() if (RESULTS / "peers_notes.md").exists() \
-        else ""
-    (RESULTS / "peers.md").write_text(
-        "# rgc among memory-efficient optimizers (measured)\n\n"
-        f"Model and batch: {shape}.\n\n{table}\n\n{notes}\n\n![memory](peers.png)\n\n"
-        f"## Environment\n\n{env_lines}\n")
     plot(rows, RESULTS / "peers.png")
 
 
