@@ -500,6 +500,8 @@ _METHODS = {
     "apollo-mini": (_plan_projected, False, True, False),
 }
 METHODS = tuple(_METHODS)
+#: The methods that take a rank.
+RANKED = tuple(m for m, (_, ranked, _, _) in _METHODS.items() if ranked)
 #: Parts that FSDP2 shards over the GPUs (the others, rgc's sketches and projections, are whole
 #: on every GPU).
 _SHARDED = ("weights", "master", "optimizer_state", "gradients", "adapters")
@@ -533,16 +535,28 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
     Args:
         model_or_config: an ``nn.Module``, a config dict, or the path of a local Hugging Face
             ``config.json`` (or of its folder) of a Llama, Mistral, Qwen2, Qwen3 or GPT-2 model.
-        method: 'rgc' (:class:`rgc.RGCOptimizer` on :func:`rgc.wrap`), 'rowadam' (RowAdam on
-            the same wrapped layers), 'lora' (peft LoRA on the same targets), or 'adamw' (dense).
-        rank: r for 'rgc', 'rowadam' and 'lora'.
+        method: one of :data:`METHODS`: 'rgc' (:class:`rgc.RGCOptimizer` on
+            :func:`rgc.wrap`), 'rowadam' (RowAdam on the same wrapped layers), 'lora' (peft
+            LoRA on the same targets), 'galore', 'apollo', 'apollo-mini' (galore-torch and
+            apollo-torch on the targets' weights), 'adamw' (dense, FP32 master copy), and the
+            AdamW variants training every parameter in BF16: 'adamw-bf16' (torch), 'adamw-bf16-sr'
+            (torchao ``_AdamW(bf16_stochastic_round=True)``), 'adamw8bit' and 'adamw4bit'
+            (torchao), 'bnb-adamw8bit' (bitsandbytes).
+        rank: r for the methods in :data:`RANKED` (APOLLO-Mini's is 1).
         targets: the layers compressed or adapted, as in :func:`rgc.wrap` (``None``: its
             ``DEFAULT_TARGETS``, i.e. q/k/v/o/gate/up/down for Llama-style models).
         batch, seq_len: give both to include saved activations (Llama-style models only).
         dtype: the weights' dtype when reading a config (a module's own dtypes are used).
         chunk_rows: rows of H rebuilt at once by the reference RGC step.
-        implementation: 'torch' (reference step, chunk temporaries) or 'triton' (fused kernel,
-            no chunk of H is stored).
+        implementation: 'torch' (reference step, chunk temporaries; bitsandbytes' CPU step)
+            or 'triton' (GPU kernels: rgc's fused kernel stores no chunk of H, bitsandbytes'
+            CUDA kernel updates in place).
+        fsdp: per-GPU memory under FSDP2 over this many GPUs (1: no sharding). Weights,
+            gradients, master copy, optimizer state and adapters are divided by ``fsdp``;
+            rgc's sketches and projections are whole on every GPU; during forward and backward
+            the root module's parameters (embedding, final norm, untied lm_head) and two
+            decoder layers are gathered. Not for 'rowadam', 'galore', 'apollo' and
+            'apollo-mini', whose optimizers do not run on FSDP2's sharded parameters.
 
     Assumptions, per method (bytes per element in parentheses):
 
@@ -563,6 +577,16 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
       on top of the weights. At backward end the transient BF16 gradient of the largest
       parameter is added (three of them for a tied embedding: the lm_head's and the
       embedding's contributions and their sum).
+    * adamw-bf16, adamw-bf16-sr, adamw8bit, adamw4bit, bnb-adamw8bit: every parameter
+      trained in its dtype; BF16 gradients from backward to ``zero_grad`` (a tied embedding
+      adds its two contributions at backward end); two moments per parameter: in the
+      parameter dtype (bf16 variants), or block-quantized for tensors of at least 4096
+      elements (torchao 8-bit: 1 byte + an FP32 scale per 256; 4-bit: half a byte + an FP32
+      scale per 128; smaller tensors in the parameter dtype; bitsandbytes 8-bit: as torchao's
+      8-bit with FP32 states for small tensors); step temporaries per
+      :data:`DENSE_STEP_TEMPORARIES` (none for the fused and compiled bf16 steps).
+    * galore, apollo, apollo-mini: see :func:`_plan_projected`; activations as for a model
+      whose targets' weights alone are trained (each linear saves its input).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
