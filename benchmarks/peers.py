@@ -223,7 +223,8 @@ def estimated_peak(method: str | None, rank, numbers) -> int | None:
     return est.total
 
 
-def run(numbers: dict, timed_pairs: int, only: list[str] | None = None) -> list[dict]:
+def run(numbers: dict, timed_pairs: int, only: list[str] | None = None,
+        partial=None) -> list[dict]:
     import importlib.util
 
     reference = build("adamw", None, numbers)
@@ -249,6 +250,8 @@ def run(numbers: dict, timed_pairs: int, only: list[str] | None = None) -> list[
             print(f"{method:14s} r={rank}: {_fmt_row(row)} ({time.perf_counter() - start:.0f} s)",
                   flush=True)
         rows.append(row)
+        if partial is not None:  # rows so far, for runs split over processes
+            partial.write_text(json.dumps({"rows": rows}, indent=2))
     return rows
 
 
@@ -435,6 +438,11 @@ def main(argv=None) -> None:
                         help="steps (of the 20) each followed by a timed reference AdamW step")
     parser.add_argument("--only", nargs="+", default=None, help="run only these methods")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--partial", default=None,
+                        help="also write the rows so far to this JSON file after each row")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="write peers.json from the rows of runs split over processes "
+                             "(files written by --partial), then render it")
     parser.add_argument("--render", action="store_true",
                         help="rewrite peers.md and peers.png from peers.json (no measuring)")
     parser.add_argument("--predict", action="store_true",
@@ -443,7 +451,14 @@ def main(argv=None) -> None:
     if args.predict:
         write_predictions()
         return
-    if args.render:
+    if args.merge:
+        order = {(m, r): i for i, (m, r, _, _) in enumerate(RUNS)}
+        rows = [row for f in args.merge for row in json.loads(open(f).read())["rows"]]
+        rows.sort(key=lambda row: order[(row["method"], row["rank"])])
+        env = environment() | {pkg: _version(pkg) for pkg in
+                               ("galore-torch", "apollo-torch", "torchao", "bitsandbytes")}
+        (RESULTS / "peers.json").write_text(json.dumps({"rows": rows, "env": env}, indent=2))
+    if args.render or args.merge:
         saved = json.loads((RESULTS / "peers.json").read_text())
         (RESULTS / "peers.md").write_text(render(saved["rows"], FULL, saved["env"]))
         (RESULTS / "peers.json").write_text(json.dumps(saved, indent=2))
@@ -455,7 +470,10 @@ def main(argv=None) -> None:
     torch._dynamo.config.cache_size_limit = 64
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     numbers = QUICK if args.quick else FULL
-    rows = run(numbers, args.timed_pairs, args.only)
+    from pathlib import Path
+
+    rows = run(numbers, args.timed_pairs, args.only,
+               Path(args.partial) if args.partial else None)
     print(markdown_table(table_rows(rows)))
     if args.quick:
         return
