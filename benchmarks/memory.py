@@ -83,13 +83,25 @@ class DenseAdamW:
             m.grad.zero_()
 
 
-def build(method: str, rank: int | None, numbers: dict, seed: int = 0):
-    """The model and optimizer of one method (call inside the tracker)."""
+def new_model(numbers: dict, seed: int = 0) -> torch.nn.Module:
+    """The random-init BF16 Qwen3 of ``numbers``, in training mode."""
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM._from_config(qwen3_config(numbers), dtype=torch.bfloat16)
-    model.train()
+    return model.train()
+
+
+def fixed_batch(numbers: dict) -> torch.Tensor:
+    """The batch every method trains on: ``batch x seq_len`` int64 token ids, seed 1."""
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, numbers["vocab_size"], (numbers["batch"], numbers["seq_len"]),
+                         generator=gen)
+
+
+def build(method: str, rank: int | None, numbers: dict, seed: int = 0):
+    """The model and optimizer of one method (call inside the tracker)."""
+    model = new_model(numbers, seed)
     if method == "adamw":
         return model, DenseAdamW(model)
     if method == "lora":
@@ -117,10 +129,8 @@ def train_step(model, opt, ids: torch.Tensor) -> float:
 
 def measure(method: str, rank: int | None, numbers: dict, timed_steps: int = 3) -> dict:
     """Measured peak (bytes) of one steady-state step, and the fastest of three timed steps."""
-    gen = torch.Generator().manual_seed(1)
     with track(record=False) as t:
-        ids = torch.randint(0, numbers["vocab_size"], (numbers["batch"], numbers["seq_len"]),
-                            generator=gen)
+        ids = fixed_batch(numbers)
         model, opt = build(method, rank, numbers)
         train_step(model, opt, ids)
         t.reset_peak()

@@ -1,9 +1,11 @@
 """``python -m rgc.memory CONFIG_JSON --rank 64 128 256``: predicted memory of every method.
 
-Prints, per rank, each method's training state, predicted peak and the saving of RGC over
-LoRA. The state saving (LoRA's adapters + gradients + AdamW moments minus RGC's sketches +
-projections, over the target projections of every layer) is the RGC preprint's "predicted saving";
-with ``--batch`` and ``--seq-len`` the peaks include saved activations.
+Prints each method's training state and predicted peak (rgc, RowAdam, LoRA, GaLore and APOLLO
+once per rank; dense AdamW, its BF16, 8-bit and 4-bit variants and APOLLO-Mini once), and the
+saving of RGC over LoRA. The state saving (LoRA's adapters + gradients + AdamW moments minus
+RGC's sketches + projections, over the target projections of every layer) is the RGC
+preprint's "predicted saving"; with ``--batch`` and ``--seq-len`` the peaks include saved
+activations; ``--fsdp 8`` gives per-GPU figures under FSDP2 over 8 GPUs.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 
 import torch
 
-from rgc.memory.estimate import METHODS, estimate_memory, spec_from_config
+from rgc.memory.estimate import METHODS, RANKED, estimate_memory, spec_from_config
 
 GIB = 2**30
 
@@ -22,31 +24,47 @@ def _fmt(b: int) -> str:
     return f"{b / GIB:.2f}"
 
 
-def table(config, ranks, *, batch=None, seq_len=None, targets=None,
-          dtype=torch.bfloat16) -> str:
+def table(config, ranks, *, batch=None, seq_len=None, targets=None, dtype=torch.bfloat16,
+          methods=METHODS, fsdp=1, implementation="torch") -> str:
     """The CLI's output as a string (GiB = 2**30 bytes)."""
-    kw = dict(batch=batch, seq_len=seq_len, targets=targets, dtype=dtype)
+    kw = dict(batch=batch, seq_len=seq_len, targets=targets, dtype=dtype, fsdp=fsdp,
+              implementation=implementation)
     spec = spec_from_config(config, dtype=dtype)
     lines = [f"{config}: {spec.num_params / 1e9:.3f} B parameters, weights "
              f"{_fmt(spec.weight_bytes)} GiB"
-             + (f", batch {batch} x seq_len {seq_len}" if batch else ", no activations"),
+             + (f", batch {batch} x seq_len {seq_len}" if batch else ", no activations")
+             + (f", per GPU of FSDP2 over {fsdp}" if fsdp > 1 else ""),
              "",
              "| method | rank | state GiB | peak GiB | peak at |",
              "|---|---|---|---|---|"]
-    dense = estimate_memory(config, method="adamw", **kw)
-    lines.append(f"| adamw | - | {_fmt(dense.state)} | {_fmt(dense.total)} | {dense.phase} |")
+
+    def row(method, rank):
+        try:
+            e = estimate_memory(config, method=method, rank=rank, **kw)
+        except ValueError as err:
+            if "FSDP2" not in str(err):
+                raise
+            lines.append(f"| {method} | {rank or '-'} | n/a | n/a | no FSDP2 support |")
+            return None
+        lines.append(f"| {method} | {rank or '-'} | {_fmt(e.state)} | {_fmt(e.total)} | "
+                     f"{e.phase} |")
+        return e
+
+    for m in methods:
+        if m not in RANKED:
+            row(m, None)
     savings = []
     for r in ranks:
-        est = {m: estimate_memory(config, method=m, rank=r, **kw) for m in METHODS[:3]}
-        for m, e in est.items():
-            lines.append(f"| {m} | {r} | {_fmt(e.state)} | {_fmt(e.total)} | {e.phase} |")
-        lora, rgc = est["lora"], est["rgc"]
-        savings.append(f"| {r} | {_fmt(lora.state - rgc.state)} | "
-                       f"{_fmt(lora.total - rgc.total)} | {rgc.state / lora.state:.3f} |")
-    lines += ["", "RGC's saving over LoRA (state: LoRA adapters + grads + AdamW moments minus "
-              "RGC sketches + projections)", "",
-              "| rank | state saving GiB | peak saving GiB | RGC state / LoRA state |",
-              "|---|---|---|---|", *savings]
+        est = {m: row(m, r) for m in methods if m in RANKED}
+        lora, rgc = est.get("lora"), est.get("rgc")
+        if lora and rgc:
+            savings.append(f"| {r} | {_fmt(lora.state - rgc.state)} | "
+                           f"{_fmt(lora.total - rgc.total)} | {rgc.state / lora.state:.3f} |")
+    if savings:
+        lines += ["", "RGC's saving over LoRA (state: LoRA adapters + grads + AdamW moments "
+                  "minus RGC sketches + projections)", "",
+                  "| rank | state saving GiB | peak saving GiB | RGC state / LoRA state |",
+                  "|---|---|---|---|", *savings]
     return "\n".join(lines)
 
 
@@ -60,10 +78,18 @@ def main(argv=None) -> int:
                         help="layer names to compress/adapt (default: rgc.wrap's targets)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16",
                                                                  "float32"])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
+                        metavar="METHOD", help=f"methods to show (default all: {METHODS})")
+    parser.add_argument("--fsdp", type=int, default=1,
+                        help="per-GPU figures under FSDP2 over this many GPUs")
+    parser.add_argument("--implementation", default="torch", choices=["torch", "triton"],
+                        help="'torch': reference/CPU steps; 'triton': GPU kernels")
     args = parser.parse_args(argv)
     try:
         print(table(args.config, args.rank, batch=args.batch, seq_len=args.seq_len,
-                    targets=args.targets, dtype=getattr(torch, args.dtype)))
+                    targets=args.targets, dtype=getattr(torch, args.dtype),
+                    methods=args.methods, fsdp=args.fsdp,
+                    implementation=args.implementation))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

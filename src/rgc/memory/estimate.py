@@ -35,7 +35,6 @@ import torch.nn as nn
 
 from rgc.nn import DEFAULT_TARGETS
 
-METHODS = ("rgc", "rowadam", "lora", "adamw")
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 FAMILIES = (*LLAMA_FAMILY, "gpt2")
 FP32 = 4
@@ -90,6 +89,8 @@ class ModelSpec:
         arch: the decoder's numbers, if known (needed for activations).
         weight_itemsize: bytes per element of the linear weights (P is stored in this dtype).
         largest_param: elements of the largest parameter.
+        param_numels: elements of each parameter (shared ones once), for the optimizers whose
+            state layout depends on a parameter's size (the 8- and 4-bit ones).
     """
 
     weight_bytes: int
@@ -98,6 +99,7 @@ class ModelSpec:
     arch: Architecture | None = None
     weight_itemsize: int = 2
     largest_param: int = 0
+    param_numels: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -180,16 +182,18 @@ def _llama_spec(cfg: dict, family: str, itemsize: int) -> ModelSpec:
                  ("mlp.down_proj", h, i, mlp_bias)]
     linears = [LinearShape(f"model.layers.{n}.{name}", d, k, b)
                for n in range(n_layers) for name, d, k, b in per_layer]
-    numel = sum(s.d * s.k + (s.d if s.bias else 0) for s in linears)
-    norms = 2 * h + (2 * hd if family == "qwen3" else 0)
-    numel += n_layers * norms + h + vocab * h * (1 if tied else 2)
+    norms = [h, h] + ([hd, hd] if family == "qwen3" else [])
+    numels = [vocab * h, *(v for s in linears for v in ((s.d * s.k, s.d) if s.bias
+                                                            else (s.d * s.k,))),
+              *(norms * n_layers), h, *([] if tied else [vocab * h])]
+    numel = sum(numels)
     linears.append(LinearShape("lm_head", vocab, h))  # an nn.Linear even when tied
     # The rotary embedding's FP32 buffers inv_freq and original_inv_freq (transformers >= 5).
     inv_freq = 2 * (hd // 2) * FP32
     arch = Architecture(family, h, i, n_layers, heads, kv_heads, hd, vocab, tied,
                         qk_norm=family == "qwen3")
     return ModelSpec(numel * itemsize + inv_freq, numel, tuple(linears), arch, itemsize,
-                     largest_param=max(vocab * h, i * h))
+                     largest_param=max(vocab * h, i * h), param_numels=tuple(numels))
 
 
 def _gpt2_spec(cfg: dict, itemsize: int) -> ModelSpec:
@@ -199,11 +203,12 @@ def _gpt2_spec(cfg: dict, itemsize: int) -> ModelSpec:
                  ("mlp.c_proj", h, inner)]
     linears = [LinearShape(f"transformer.h.{n}.{name}", d, k, True)
                for n in range(n_layers) for name, d, k in per_layer]
-    numel = sum(s.d * s.k + s.d for s in linears)
-    numel += n_layers * 4 * h + 2 * h + vocab * h + cfg.get("n_positions", 1024) * h
+    numels = [vocab * h, cfg.get("n_positions", 1024) * h,
+              *(v for s in linears for v in (s.d * s.k, s.d)), *([h] * (4 * n_layers + 2))]
+    numel = sum(numels)
     linears.append(LinearShape("lm_head", vocab, h))  # tied to the token embedding
     return ModelSpec(numel * itemsize, numel, tuple(linears), None, itemsize,
-                     largest_param=max(vocab * h, inner * h))
+                     largest_param=max(vocab * h, inner * h), param_numels=tuple(numels))
 
 
 def spec_from_config(config, *, dtype: torch.dtype = torch.bfloat16) -> ModelSpec:
@@ -232,7 +237,8 @@ def spec_from_module(model: nn.Module) -> ModelSpec:
     the activation model.
     """
     seen: set = set()
-    weight_bytes = numel = largest = 0
+    weight_bytes = 0
+    numels = []
     for t in [*model.parameters(), *model.buffers()]:
         key = (t.device, t.untyped_storage().data_ptr()) if t.device.type != "meta" else id(t)
         if key in seen:
@@ -240,8 +246,7 @@ def spec_from_module(model: nn.Module) -> ModelSpec:
         seen.add(key)
         weight_bytes += t.numel() * t.element_size()
         if isinstance(t, nn.Parameter):
-            numel += t.numel()
-            largest = max(largest, t.numel())
+            numels.append(t.numel())
     linears, itemsize = [], 2
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear):
@@ -254,7 +259,8 @@ def spec_from_module(model: nn.Module) -> ModelSpec:
     cfg = getattr(model, "config", None)
     if cfg is not None and getattr(cfg, "model_type", None) in LLAMA_FAMILY:
         arch = _llama_spec(cfg.to_dict(), cfg.model_type, itemsize).arch
-    return ModelSpec(weight_bytes, numel, tuple(linears), arch, itemsize, largest)
+    return ModelSpec(weight_bytes, sum(numels), tuple(linears), arch, itemsize,
+                     max(numels, default=0), tuple(numels))
 
 
 # -- estimate -----------------------------------------------------------------------------
@@ -267,42 +273,50 @@ def _is_target(targets, name: str) -> bool:
     return name in targets or name.rsplit(".", 1)[-1] in targets
 
 
-def _activations(arch: Architecture, method: str, rank: int, n: int, seq_len: int,
+def _activations(arch: Architecture, mode: str, rank: int, n: int, seq_len: int,
                  wsize: int, targets: list[LinearShape]) -> tuple[int, int]:
     """(saved activations, loss transient at backward start) in bytes for n tokens.
+
+    ``mode`` says what is trained: 'dense' (every parameter), 'targets' (the targets' weights
+    with dense gradients, everything else frozen: GaLore, APOLLO), 'sketch' (rgc, RowAdam) or
+    'lora'.
 
     Per decoder layer (h hidden, i intermediate, q = heads * head_dim, c = kv_heads * head_dim,
     a heads, g kv heads; BF16 = 2 bytes, FP32 = 4), what autograd saves:
 
-    * each RMSNorm: its FP32 input (4nh) and 1/rms (4n); AdamW also the normalised BF16 tensor
-      (2nh) for the norm weight's gradient and the norm's output (2nh) for the next linear's;
-      Qwen3's q/k norms the same on q and c with a and g rows;
+    * each RMSNorm: its FP32 input (4nh) and 1/rms (4n); 'dense' also the normalised BF16
+      tensor (2nh) for the norm weight's gradient; 'dense' and 'targets' the norm's output
+      (2nh), the next linears' input; Qwen3's q/k norms the same on q and c with a and g rows
+      (their normalised tensors in 'dense' only, their outputs are q and k);
     * attention (SDPA): q and its output (2nq each), k and v (2nc each), FP32 logsumexp (4na);
-    * MLP: gate and up outputs and SiLU(gate) (3 x 2ni); AdamW also SiLU(gate)*up (2ni);
-    * per target linear: RGC/RowAdam ``X P`` (n x r, weight dtype); LoRA the FP32 copy of its
+    * MLP: gate and up outputs and SiLU(gate) (3 x 2ni); 'dense' and 'targets' also
+      SiLU(gate)*up (2ni), down_proj's input;
+    * per target linear: 'sketch' ``X P`` (n x r, weight dtype); 'lora' the FP32 copy of its
       input (4nk, one per target: peft casts x for each adapter) and ``A x`` (4nr).
 
     The terms other than the targets' assume at least one target in the attention and one in
     the MLP of every layer (the default targets are all seven projections).
 
-    The first layer's input norm saves nothing unless the embedding is trained (AdamW).
-    Model level: the embedding's int64 ids (AdamW), RoPE cos and sin (2 x seq x head_dim,
-    shared by all layers), the final norm, the FP32 log_softmax of the logits (4nV) and the
-    int64 targets. The loss transient at backward start is the NLL and log_softmax input
-    gradients, 2 x 4nV.
+    The first layer's input norm saves its input and 1/rms only if the embedding is trained
+    ('dense'). Model level: the embedding's int64 ids ('dense'), RoPE cos and sin (2 x seq x
+    head_dim, shared by all layers), the final norm (and, 'dense', its normalised tensor and
+    output for the norm weight's and the lm_head's gradients), the FP32 log_softmax of the
+    logits (4nV) and the int64 targets. The loss transient at backward start is the NLL and
+    log_softmax input gradients, 2 x 4nV.
     """
     h, i, q = arch.hidden, arch.intermediate, arch.heads * arch.head_dim
     c, a, g, V = arch.kv_heads * arch.head_dim, arch.heads, arch.kv_heads, arch.vocab
-    dense = method == "adamw"
-    norm = 4 * n * h + 4 * n + (4 * n * h if dense else 0)
+    dense = mode == "dense"
+    inputs = mode in ("dense", "targets")  # linears save their input X
+    norm = 4 * n * h + 4 * n + (2 * n * h if dense else 0) + (2 * n * h if inputs else 0)
     qk = 0
     if arch.qk_norm:
         qk = 4 * n * (q + c) + 4 * n * (a + g) + (2 * n * (q + c) if dense else 0)
     attention = 2 * n * (2 * q + 2 * c) + 4 * n * a
-    mlp = 6 * n * i + (2 * n * i if dense else 0)
-    if method in ("rgc", "rowadam"):
+    mlp = 6 * n * i + (2 * n * i if inputs else 0)
+    if mode == "sketch":
         saved_by_targets = len(targets) * n * rank * wsize
-    elif method == "lora":
+    elif mode == "lora":
         saved_by_targets = sum(4 * n * s.k + 4 * n * rank for s in targets)
     else:
         saved_by_targets = 0
@@ -387,29 +401,207 @@ def _with_compute_copies(phases: dict, copies: int) -> dict:
             for name, (grads, temp, acts) in phases.items()}
 
 
+# -- what each method keeps -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Plan:
+    """One method's memory: full sizes of its parts (``MemoryEstimate`` field names), which of
+    them backward allocates and ``zero_grad`` frees, the largest transients of the optimizer
+    step and of the end of backward, and what autograd saves (a mode of :func:`_activations`).
+    """
+
+    parts: dict
+    per_step: tuple = ()
+    step_temp: int = 0
+    end_temp: int = 0
+    activations: str = "dense"
+
+
+def _tied_embedding_transient(spec: ModelSpec, copies: int) -> int:
+    """``copies`` V x h BF16 tensors at the end of backward when the embedding is tied.
+
+    The lm_head's gradient contribution is held by autograd from the start of backward until
+    the embedding's arrives; autograd sums the two before accumulating.
+    """
+    tied = spec.arch is not None and spec.arch.tied
+    return copies * spec.largest_param * spec.weight_itemsize if tied else 0
+
+
+def _plan_sketch(spec, chosen, rank, *, method, chunk_rows, implementation):
+    wsize = spec.weight_itemsize
+    parts = {"sketch": sum(s.d * rank * FP32 for s in chosen),
+             "projections": sum(s.k * rank * wsize for s in chosen),
+             # trainable biases of the targets keep a dense gradient
+             "gradients": sum(s.d * wsize for s in chosen if s.bias),
+             # RGCOptimizer: counters and 0-dim norms per layer, nothing per element
+             "optimizer_state": 0}
+    temps = rgc_step_temporaries if method == "rgc" else rowadam_step_temporaries
+    if method == "rowadam":
+        # m and v per target, and elementwise AdamW moments of the targets' trainable biases
+        parts["optimizer_state"] = sum(s.d * rank * FP32 + s.d * FP32 for s in chosen)
+        parts["optimizer_state"] += sum(2 * s.d * FP32 for s in chosen if s.bias)
+    step_temp = max(temps(s.d, s.k, rank, chunk_rows=chunk_rows, implementation=implementation,
+                          weight_itemsize=wsize) for s in chosen)
+    return _Plan(parts, ("sketch", "gradients"), step_temp, activations="sketch")
+
+
+def _plan_lora(spec, chosen, rank, **_):
+    adapter = sum(rank * (s.d + s.k) for s in chosen) * FP32
+    parts = {"adapters": adapter, "gradients": adapter, "optimizer_state": 2 * adapter}
+    return _Plan(parts, ("gradients",), activations="lora")
+
+
+def _plan_adamw(spec, chosen, rank, **_):
+    n = spec.num_params * FP32
+    parts = {"master": n, "gradients": n, "optimizer_state": 2 * n}
+    # The BF16 gradient of the largest parameter (the embedding) before the hook adds it into
+    # its FP32 buffer; tied: the lm_head's and the embedding's contributions and their sum.
+    end = _tied_embedding_transient(spec, 3) or spec.largest_param * spec.weight_itemsize
+    return _Plan(parts, (), end_temp=end)
+
+
+def _quantized_state(numel: int, wsize: int, *, bits: int, block: int, qmap: int,
+                     small: int | None = None, divisible: bool = True) -> int:
+    """Bytes of one block-quantized optimizer state of a ``numel``-element parameter.
+
+    Tensors of at least 4096 elements (and, for torchao, a multiple of ``block``) store
+    ``bits``-bit codes, an FP32 scale per block and a ``qmap`` of FP32 code values; smaller
+    ones a plain tensor of ``small`` bytes per element (default: the parameter's dtype).
+    """
+    if numel >= 4096 and (not divisible or numel % block == 0):
+        return numel * bits // 8 + FP32 * -(-numel // block) + FP32 * qmap
+    return numel * (wsize if small is None else small)
+
+
+def _plan_bf16_dense(spec, chosen, rank, *, method, implementation, **_):
+    """AdamW variants that train every parameter in its own dtype (BF16 gradients)."""
+    wsize = spec.weight_itemsize
+    numels = spec.param_numels
+    if method in ("adamw-bf16", "adamw-bf16-sr"):  # moments in the parameter dtype
+        state = sum(2 * v * wsize for v in numels)
+    elif method == "adamw8bit":  # torchao OptimState8bit: block 256, 256-entry qmap
+        state = sum(2 * _quantized_state(v, wsize, bits=8, block=256, qmap=256) for v in numels)
+    elif method == "adamw4bit":  # torchao OptimState4bit: block 128, 16-entry qmap
+        state = sum(2 * _quantized_state(v, wsize, bits=4, block=128, qmap=16) for v in numels)
+    else:  # bitsandbytes: blockwise 256, FP32 states below 4096 elements, one shared qmap
+        state = sum(2 * _quantized_state(v, wsize, bits=8, block=256, qmap=0, small=FP32,
+                                         divisible=False) for v in numels) + 2 * 256 * FP32
+    if method != "bnb-adamw8bit":  # the step count, a 0-d FP32 tensor per parameter
+        state += FP32 * len(numels)
+    parts = {"gradients": spec.num_params * wsize, "optimizer_state": state}
+    per_element = DENSE_STEP_TEMPORARIES.get((method, implementation), 0)
+    step_temp = int(per_element * spec.largest_param)
+    return _Plan(parts, ("gradients",), step_temp, _tied_embedding_transient(spec, 2))
+
+
+def _plan_projected(spec, chosen, rank, *, method, **_):
+    """GaLore and APOLLO on the targets' weights (everything else frozen), moments in BF16.
+
+    Per d x k target: the projection (min(d, k) x r: GaLore's SVD basis, APOLLO's random
+    matrix), two moments of the projected gradient (max(d, k) x r), the dense BF16 gradient.
+    The steady step's largest transient: the projected gradient, the denominator and the
+    normalised update (3 max(d, k) r), and two d x k tensors (GaLore: the projected-back
+    update and its scaled copy; APOLLO: the scaled gradient and its norm-limited copy).
+    """
+    wsize = spec.weight_itemsize
+    r = 1 if method == "apollo-mini" else rank
+    parts = {"projections": sum(min(s.d, s.k) * r * wsize for s in chosen),
+             "optimizer_state": sum(2 * max(s.d, s.k) * r * wsize for s in chosen),
+             "gradients": sum(s.d * s.k * wsize for s in chosen)}
+    step_temp = max((2 * s.d * s.k + 3 * max(s.d, s.k) * r) * wsize for s in chosen)
+    return _Plan(parts, ("gradients",), step_temp, activations="targets")
+
+
+#: Step temporaries of the low-bit AdamW steps in bytes per element of the largest parameter,
+#: keyed by (method, implementation), measured with the profiler's allocator events (torch
+#: 2.13, torchao 0.18, bitsandbytes 0.50; ``tests/test_memory_estimate.py``). torchao's step,
+#: compiled by inductor, materialises FP32 moments of the parameter being updated and new block
+#: scales (8-bit: 8 bytes per element; 4-bit: 26); the figures measured on the CPU
+#: are assumed for GPUs too. bitsandbytes' CPU step dequantizes to FP32 (24 bytes per
+#: element); its CUDA kernel updates in place (none).
+DENSE_STEP_TEMPORARIES: dict[tuple[str, str], float] = {
+    ("adamw8bit", "torch"): 8 + 2 * FP32 / 256, ("adamw8bit", "triton"): 8 + 2 * FP32 / 256,
+    ("adamw4bit", "torch"): 26 + 2 * FP32 / 128, ("adamw4bit", "triton"): 26 + 2 * FP32 / 128,
+    ("bnb-adamw8bit", "torch"): 24,
+}
+
+#: Method name -> (plan, needs a rank, targets layers, supported under FSDP2).
+_METHODS = {
+    "rgc": (_plan_sketch, True, True, True),
+    "rowadam": (_plan_sketch, True, True, False),
+    "lora": (_plan_lora, True, True, True),
+    "adamw": (_plan_adamw, False, False, True),
+    "adamw-bf16": (_plan_bf16_dense, False, False, True),
+    "adamw-bf16-sr": (_plan_bf16_dense, False, False, True),
+    "adamw8bit": (_plan_bf16_dense, False, False, True),
+    "adamw4bit": (_plan_bf16_dense, False, False, True),
+    "bnb-adamw8bit": (_plan_bf16_dense, False, False, True),
+    "galore": (_plan_projected, True, True, False),
+    "apollo": (_plan_projected, True, True, False),
+    "apollo-mini": (_plan_projected, False, True, False),
+}
+METHODS = tuple(_METHODS)
+#: The methods that take a rank.
+RANKED = tuple(m for m, (_, ranked, _, _) in _METHODS.items() if ranked)
+#: Parts that FSDP2 shards over the GPUs (the others, rgc's sketches and projections, are whole
+#: on every GPU).
+_SHARDED = ("weights", "master", "optimizer_state", "gradients", "adapters")
+
+
+def _fsdp_gathered(spec: ModelSpec) -> int:
+    """Unsharded weights live during forward and backward under FSDP2 (bytes).
+
+    The root module's parameters (embedding, final norm, untied lm_head) stay gathered from
+    forward to the end of backward; of the decoder layers, the one computing and the one
+    prefetched.
+    """
+    wsize = spec.weight_itemsize
+    if spec.arch is None:
+        return 2 * spec.largest_param * wsize
+    a = spec.arch
+    layer = sum(s.d * s.k + (s.d if s.bias else 0) for s in spec.linears
+                if s.name.startswith("model.layers.0."))
+    layer += 2 * a.hidden + (2 * a.head_dim if a.qk_norm else 0)
+    root = a.vocab * a.hidden * (1 if a.tied else 2) + a.hidden
+    return (root + 2 * layer) * wsize
+
+
 def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
                     targets: Iterable[str] | Callable | None = None, batch: int | None = None,
                     seq_len: int | None = None, dtype: torch.dtype = torch.bfloat16,
                     chunk_rows: int = 128, implementation: str = "torch",
-                    compute_dtype: torch.dtype | None = None) -> MemoryEstimate:
+                    compute_dtype: torch.dtype | None = None,
+                    fsdp: int = 1) -> MemoryEstimate:
     """Predict the memory of one training step of ``method`` on a model.
 
     Args:
         model_or_config: an ``nn.Module``, a config dict, or the path of a local Hugging Face
             ``config.json`` (or of its folder) of a Llama, Mistral, Qwen2, Qwen3 or GPT-2 model.
-        method: 'rgc' (:class:`rgc.RGCOptimizer` on :func:`rgc.wrap`), 'rowadam' (RowAdam on
-            the same wrapped layers), 'lora' (peft LoRA on the same targets), or 'adamw' (dense).
-        rank: r for 'rgc', 'rowadam' and 'lora'.
+        method: one of :data:`METHODS`: 'rgc' (:class:`rgc.RGCOptimizer` on
+            :func:`rgc.wrap`), 'rowadam' (RowAdam on the same wrapped layers), 'lora' (peft
+            LoRA on the same targets), 'galore', 'apollo', 'apollo-mini' (galore-torch and
+            apollo-torch on the targets' weights), 'adamw' (dense, FP32 master copy), and the
+            AdamW variants training every parameter in BF16: 'adamw-bf16' (torch), 'adamw-bf16-sr'
+            (torchao ``_AdamW(bf16_stochastic_round=True)``), 'adamw8bit' and 'adamw4bit'
+            (torchao), 'bnb-adamw8bit' (bitsandbytes).
+        rank: r for the methods in :data:`RANKED` (APOLLO-Mini's is 1).
         targets: the layers compressed or adapted, as in :func:`rgc.wrap` (``None``: its
             ``DEFAULT_TARGETS``, i.e. q/k/v/o/gate/up/down for Llama-style models).
         batch, seq_len: give both to include saved activations (Llama-style models only).
         dtype: the weights' dtype when reading a config (a module's own dtypes are used).
         chunk_rows: rows of H rebuilt at once by the reference RGC step.
-        implementation: 'torch' (reference step, chunk temporaries) or 'triton' (fused kernel,
-            no chunk of H is stored).
+        implementation: 'torch' (reference step, chunk temporaries; bitsandbytes' CPU step)
+            or 'triton' (GPU kernels: rgc's fused kernel stores no chunk of H, bitsandbytes'
+            CUDA kernel updates in place).
         compute_dtype: ``torch.float32`` if the model runs under
             :func:`rgc.compute.use_compute_dtype` with low-precision weights: adds the
             transient FP32 copies of :func:`compute_copy_bytes` (``compute_copies``).
+        fsdp: per-GPU memory under FSDP2 over this many GPUs (1: no sharding). Weights,
+            gradients, master copy, optimizer state and adapters are divided by ``fsdp``;
+            rgc's sketches and projections are whole on every GPU; during forward and backward
+            the root module's parameters (embedding, final norm, untied lm_head) and two
+            decoder layers are gathered. Not for 'rowadam', 'galore', 'apollo' and
+            'apollo-mini', whose optimizers do not run on FSDP2's sharded parameters.
 
     Assumptions, per method (bytes per element in parentheses):
 
@@ -430,10 +622,21 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
       on top of the weights. At backward end the transient BF16 gradient of the largest
       parameter is added (three of them for a tied embedding: the lm_head's and the
       embedding's contributions and their sum).
+    * adamw-bf16, adamw-bf16-sr, adamw8bit, adamw4bit, bnb-adamw8bit: every parameter
+      trained in its dtype; BF16 gradients from backward to ``zero_grad`` (a tied embedding
+      adds its two contributions at backward end); two moments per parameter: in the
+      parameter dtype (bf16 variants), or block-quantized for tensors of at least 4096
+      elements (torchao 8-bit: 1 byte + an FP32 scale per 256; 4-bit: half a byte + an FP32
+      scale per 128; smaller tensors in the parameter dtype; bitsandbytes 8-bit: as torchao's
+      8-bit with FP32 states for small tensors); step temporaries per
+      :data:`DENSE_STEP_TEMPORARIES` (none for the fused and compiled bf16 steps).
+    * galore, apollo, apollo-mini: see :func:`_plan_projected`; activations as for a model
+      whose targets' weights alone are trained (each linear saves its input).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method != "adamw" and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 1):
+    plan_of, ranked, targeted, shardable = _METHODS[method]
+    if ranked and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 1):
         raise ValueError(f"method {method!r} needs rank= a positive integer, got {rank!r}")
     if implementation not in ("torch", "triton"):
         raise ValueError(f"implementation must be 'torch' or 'triton', got {implementation!r}")
@@ -441,6 +644,12 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
         raise ValueError(f"compute_dtype must be torch.float32 or None, got {compute_dtype}")
     if (batch is None) != (seq_len is None):
         raise ValueError("give both batch= and seq_len= (for activations), or neither")
+    if not isinstance(fsdp, int) or fsdp < 1:
+        raise ValueError(f"fsdp must be a GPU count >= 1, got {fsdp!r}")
+    if fsdp > 1 and not shardable:
+        raise ValueError(f"method {method!r} has no FSDP2 memory model: its optimizer "
+                         "(RowAdam, galore-torch, apollo-torch) does not run on FSDP2's "
+                         "sharded parameters; use fsdp=1")
     if isinstance(model_or_config, nn.Module):
         spec = spec_from_module(model_or_config)
     elif isinstance(model_or_config, (dict, str, os.PathLike)):
@@ -449,68 +658,36 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
         raise TypeError("model_or_config must be an nn.Module, a config dict or the path of a "
                         f"config.json, got {type(model_or_config).__name__}")
     chosen = [s for s in spec.linears if _is_target(targets, s.name)]
-    if method != "adamw" and not chosen:
+    if targeted and not chosen:
         raise ValueError(f"targets {targets!r} matched no linear layer of the model")
-    wsize = spec.weight_itemsize
-    est = {"weights": spec.weight_bytes}
-    per_step = 0  # allocated in backward, freed by zero_grad
-    step_temp = 0
-    if method in ("rgc", "rowadam"):
-        est["sketch"] = sum(s.d * rank * FP32 for s in chosen)
-        est["projections"] = sum(s.k * rank * wsize for s in chosen)
-        est["optimizer_state"] = 0  # RGCOptimizer keeps Python ints only
-        # Trainable biases of the targets keep a dense gradient.
-        est["gradients"] = sum(s.d * wsize for s in chosen if s.bias)
-        per_step = est["sketch"] + est["gradients"]
-        temps = rgc_step_temporaries if method == "rgc" else rowadam_step_temporaries
-        step_temp = max(temps(s.d, s.k, rank, chunk_rows=chunk_rows,
-                              implementation=implementation, weight_itemsize=wsize)
-                        for s in chosen)
-        if method == "rowadam":
-            est["optimizer_state"] = sum(s.d * rank * FP32 + s.d * FP32 for s in chosen)
-            # elementwise AdamW moments of the targets' trainable biases
-            est["optimizer_state"] += sum(2 * s.d * FP32 for s in chosen if s.bias)
-    elif method == "lora":
-        adapter = sum(rank * (s.d + s.k) for s in chosen)
-        est["adapters"] = adapter * FP32
-        est["gradients"] = adapter * FP32
-        est["optimizer_state"] = 2 * adapter * FP32
-        per_step = est["gradients"]
-    else:
-        est["master"] = spec.num_params * FP32
-        est["gradients"] = spec.num_params * FP32
-        est["optimizer_state"] = 2 * spec.num_params * FP32
-    # AdamW: the BF16 gradient of the largest parameter (the embedding) before the hook adds
-    # it into its FP32 buffer. A tied embedding gets two contributions, the lm_head's (held by
-    # autograd from the start of backward) and the embedding's, which autograd sums before
-    # accumulating: three V x h tensors at the end of backward.
-    end_temp = 0
-    if method == "adamw":
-        tied = spec.arch is not None and spec.arch.tied
-        end_temp = (3 if tied else 1) * spec.largest_param * wsize
-    phases = {"optimizer step": (per_step, step_temp, 0),
-              "backward end": (per_step, end_temp, 0)}
+    plan = plan_of(spec, chosen, rank, method=method, chunk_rows=chunk_rows,
+                   implementation=implementation)
+    est = {"weights": spec.weight_bytes, **plan.parts}
+    gathered = 0
+    if fsdp > 1:
+        est = {k: -(-v // fsdp) if k in _SHARDED else v for k, v in est.items()}
+        gathered = _fsdp_gathered(spec)
+    per_step = sum(est[k] for k in plan.per_step)
+    phases = {"optimizer step": (per_step, plan.step_temp, 0),
+              "backward end": (per_step, plan.end_temp + gathered, 0)}
     if batch is not None:
         if spec.arch is None:
             raise ValueError("activations are modelled for Llama-style decoders (Llama, "
                              "Mistral, Qwen2, Qwen3) given by a config or a transformers model; "
                              "leave batch/seq_len unset for this model")
-        acts, loss_temp = _activations(spec.arch, method, rank or 0, batch * seq_len,
-                                       seq_len, wsize, chosen)
+        acts, loss_temp = _activations(spec.arch, plan.activations, rank or 0, batch * seq_len,
+                                       seq_len, spec.weight_itemsize, chosen)
         est["activations"] = acts
-        phases["backward start"] = (0, loss_temp, acts)
+        phases["backward start"] = (0, loss_temp + gathered, acts)
     copies = 0
-    if compute_dtype is not None and wsize < FP32:
+    if compute_dtype is not None and spec.weight_itemsize < FP32:
         copies = compute_copy_bytes(spec.linears, (batch or 0) * (seq_len or 0))
         phases = _with_compute_copies(phases, copies)
     phase, (grads_live, temp, acts_live) = max(phases.items(), key=lambda kv: sum(kv[1]))
-    transient = {"rgc": ("sketch", "gradients"), "rowadam": ("sketch", "gradients"),
-                 "lora": ("gradients",), "adamw": ()}[method]
-    at_peak = {k: 0 if (k in transient and not grads_live) else v
+    at_peak = {k: 0 if (k in plan.per_step and not grads_live) else v
                for k, v in est.items() if k != "activations"}
     at_peak["activations"] = acts_live
     at_peak["temporaries"] = temp
-    return MemoryEstimate(method=method, rank=None if method == "adamw" else rank,
-                          temporaries=temp, compute_copies=copies,
-                          total=sum(at_peak.values()), phase=phase,
+    return MemoryEstimate(method=method, rank=rank if ranked else None, temporaries=temp,
+                          compute_copies=copies, total=sum(at_peak.values()), phase=phase,
                           at_peak=at_peak, **est)
