@@ -4,8 +4,8 @@ No GPU needed: Triton's NVIDIA backend compiles for sm_80, sm_90 and sm_100 (whe
 wheel's ptxas supports it) and cuobjdump from the wheel reads registers and stack bytes. A
 spill needs a stack frame, so zero stack and zero local bytes mean spill-free. The launches
 compiled are built by the launcher itself (rgc.kernels._triton.update_launches) and bound by
-Triton's own specialisation. The first run compiles ~90 kernels (a minute or two on two
-cores); Triton's cache makes later runs take seconds.
+Triton's own specialisation. The first run compiles 84 kernels (about two minutes on two
+busy cores); with Triton's cache (~/.triton/cache) later runs take seconds.
 """
 
 import importlib

@@ -60,8 +60,11 @@ def toolchain_missing() -> str | None:
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
         from triton.compiler import make_backend  # noqa: F401
+        from triton.runtime.jit import create_function_from_signature  # noqa: F401
     except ImportError as exc:
         return f"this Triton has no ahead-of-time compiler API ({exc})"
+    if not hasattr(K._lowrank_update_kernel, "_pack_args"):
+        return "this Triton's JIT has no _pack_args (the argument binding reused here)"
     for tool in ("ptxas", "cuobjdump"):
         if not os.access(os.path.join(_bin_dir(), tool), os.X_OK):
             return f"the Triton wheel ships no {tool} in {_bin_dir()}"
