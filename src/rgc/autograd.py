@@ -40,6 +40,7 @@ class SketchedLinearFunction(torch.autograd.Function):
         ctx.layer = layer
         ctx.projection_version = layer.projection_version
         ctx.x_dtype = x.dtype
+        ctx.compute_dtype = dtype
         return out
 
     @staticmethod
@@ -47,7 +48,7 @@ class SketchedLinearFunction(torch.autograd.Function):
         xp, weight = ctx.saved_tensors
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            dtype = ctx.layer.compute_dtype or grad_out.dtype
+            dtype = ctx.compute_dtype or grad_out.dtype
             grad_x = torch.matmul(grad_out.to(dtype), weight.to(dtype)).to(ctx.x_dtype)
         d2 = grad_out.reshape(-1, grad_out.shape[-1])
         ctx.layer.accumulate_sketch(d2, xp.reshape(-1, xp.shape[-1]), ctx.projection_version)
