@@ -6,7 +6,9 @@ meaningful on a loaded machine:
 * one ``F.linear`` of (64 x 128) by (128 x 384) (the demo's MLP shape): BF16, FP32, and BF16
   operands upcast to FP32 for the product (what the compute mode does);
 * one whole GRPO step of the demo (``examples/grpo_arithmetic.py``, default model: 64 sampled
-  responses, forward and backward, the update) for each method, native vs FP32 compute.
+  responses, forward and backward, the update) for each method, native vs FP32 compute, in
+  process CPU seconds (one thread: the work done, less sensitive than wall time to other jobs
+  on a shared machine, though contention still inflates it).
 
 The result file is named after the CPU capability PyTorch uses (e.g. ``compute_mode_cpu_avx2``):
 run it once as is and once with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` to see a
@@ -71,7 +73,7 @@ def time_grpo_steps(methods: list[str], reps: int) -> list[dict]:
 
     def step(method):
         gen = torch.Generator().manual_seed(0)
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         method.policy.eval()
         responses = generate(method.policy, prompts, generator=gen)
         adv = group_advantages(rewards(questions, responses), 8)
@@ -80,7 +82,7 @@ def time_grpo_steps(methods: list[str], reps: int) -> list[dict]:
         loss, _ = grpo_loss(logprobs, logprobs.detach(), adv, response_mask(responses))
         loss.backward()
         method.step(torch.cat([prompts, responses], dim=1))
-        return time.perf_counter() - t0
+        return time.process_time() - t0
 
     rows = []
     for kind in methods:
@@ -97,7 +99,7 @@ def time_grpo_steps(methods: list[str], reps: int) -> list[dict]:
                 times[name].append(step(method))
         native = statistics.median(times["native"])
         for name, ts in times.items():
-            rows.append({"what": f"GRPO step, {kind}", "mode": name,
+            rows.append({"what": f"GRPO step, {kind} (CPU s)", "mode": name,
                          "median s": statistics.median(ts),
                          "bf16 / this": native / statistics.median(ts)})
     return rows

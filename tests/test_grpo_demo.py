@@ -13,17 +13,26 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
+# A guard against hangs, not a speed check: on a 2-core machine shared with other jobs one
+# quick run took 68 s (12 s of CPU).
+TIMEOUT = 600
 
 
 def test_quick_run_writes_table_plot_and_json(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    import rgc.compute
+
+    # Chosen once here as the demo would, then fixed for both runs (they must be identical).
+    mode = rgc.compute.choose_compute_mode().name
     cmd = [sys.executable, str(ROOT / "examples" / "grpo_arithmetic.py"), "--quick",
-           "--no-progress", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "c")]
-    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+           "--no-progress", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "c"),
+           "--compute", mode]
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert first.returncode == 0, first.stderr[-3000:]
     out = tmp_path / "out"
     assert f"results in {out}" in first.stdout
+    assert f"compute mode: {'native' if mode == 'native' else 'float32 matmuls'}" in first.stdout
     assert (out / "dev_accuracy.png").stat().st_size > 0
     result = json.loads((out / "results.json").read_text())
     methods = result["results"][0]["methods"]
@@ -46,7 +55,7 @@ def test_quick_run_writes_table_plot_and_json(tmp_path):
 
     # Deterministic for a seed, and the cached base policy is reused.
     (tmp_path / "out").rename(tmp_path / "first")
-    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert second.returncode == 0, second.stderr[-3000:]
     again = json.loads((out / "results.json").read_text())
     assert len(list((tmp_path / "c").iterdir())) == 1

@@ -15,6 +15,8 @@ def shift_task(n=16, length=12, vocab=48, stride=5):
 def train(tau, steps, stochastic_rounding=True):
     model = tiny_qwen3(dtype=torch.bfloat16, seed=0)
     rgc.wrap(model, rank=8, seed=0)
+    # FP32 matmuls where BF16 ones are slow (AVX2-only CPUs); the weights stay BF16.
+    rgc.compute.use_compute_dtype(model, rgc.compute.choose_compute_mode())
     opt = rgc.RGCOptimizer(model.parameters(), lr=tau, stochastic_rounding=stochastic_rounding)
     data = shift_task()
     with torch.no_grad():
