@@ -334,8 +334,15 @@ before the first; every method trains the same batch at lr 1e-4 (rgc: the calibr
 GaLore and APOLLO: the measured step is a steady one (their projections are refreshed every
 200 steps; GaLore's refresh adds an FP32 SVD of each gradient, not in this peak). The
 estimator's step temporaries of the torchao and bitsandbytes steps are measured figures
-(``rgc.memory.estimate.DENSE_STEP_TEMPORARIES``), so their agreement here is a check of the
-state layouts, not an independent prediction of the step."""
+(``rgc.memory.estimate.DENSE_STEP_TEMPORARIES``, per element of the largest parameter,
+measured on a 2000 x 128 embedding and confirmed here on a 32000 x 768 one).
+
+Run time bounds what was measured: the timing ratios use only the last 4 of the 20 steps
+(``--timed-pairs 4``), one torch thread; the torchao 8- and 4-bit rows took about 15 minutes
+each (their compiled CPU steps are slow). Rows can come from separate runs of the script
+(``--only``, ``--partial``, then ``--merge``), each timing against its own reference AdamW;
+rows whose note says "recorded to 0.1 MiB" were taken from the printed summary of a run
+stopped before it wrote its files."""
 
 
 def render(rows: list[dict], numbers: dict, env: dict) -> str:
