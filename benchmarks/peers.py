@@ -300,7 +300,7 @@ def plot(rows: list[dict], path) -> None:
            label="peak during a step")
     ax.bar([i + 0.2 for i in x], [r["held_bytes"] / MIB for r in done], 0.4,
            label="held between steps")
-    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_xticks(list(x), labels, fontsize=7, rotation=30, ha="right")
     ax.set_ylabel("MiB (allocator)")
     ax.set_title("Qwen3 ~110M, BF16, batch 2 x 64, CPU: memory of one training step")
     ax.legend()
