@@ -4,6 +4,11 @@ The model is described by its layer shapes (:class:`ModelSpec`), taken from an `
 or computed from the numbers of a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3,
 GPT-2), with no network access and without building the model.
 
+Methods. Each method is a plan function returning what it keeps, what backward allocates and
+``zero_grad`` frees, and its transients (:class:`_Plan`), registered in ``_METHODS``: rgc and
+RowAdam, LoRA, dense AdamW, and the memory-efficient peers (BF16, 8-bit and 4-bit AdamW,
+GaLore, APOLLO). ``benchmarks/peers.py`` measures them side by side.
+
 Peak model. One training step is forward, backward, optimizer step, then
 ``zero_grad(set_to_none=True)``. What a method keeps from step to step (weights, projections,
 optimizer state, an FP32 master copy) is always live. On top of it the peak is the largest of
