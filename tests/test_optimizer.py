@@ -149,6 +149,30 @@ def test_refresh_schedules():
     assert versions_after(2, 5) == [0, 1, 1, 2, 2]
 
 
+def test_projections_are_refreshed_after_every_update_of_the_step():
+    layers = [CompressedLinear(6, 4, rank=2, seed=n) for n in range(3)]
+    opt = RGCOptimizer([layer.weight for layer in layers], lr=0.1)
+    for layer in layers:
+        layer(torch.randn(3, 6)).sum().backward()
+    before = [layer.weight.detach().clone() for layer in layers]
+    updated_at_refresh = []
+    refresh = opt._refresh
+
+    def spy(p, layer, state):
+        updated_at_refresh.append([not torch.equal(layer.weight, w)
+                                   for layer, w in zip(layers, before, strict=True)])
+        refresh(p, layer, state)
+
+    opt._refresh = spy
+    opt.step()
+    assert updated_at_refresh == [[True] * 3] * 3
+    for layer in layers:
+        assert layer.projection_version == opt.state[layer.weight]["projection_version"] == 1
+        expected = make_projection("orthonormal", 6, 2, seed=layer.projection_seed)
+        assert torch.equal(layer.projection, expected)
+    assert "_deferred_refreshes" not in opt.__dict__
+
+
 def test_non_finite_sketch_is_skipped_and_counted():
     model = rgc.wrap(TinyBlockLM(), rank=3)
     opt = RGCOptimizer(model.parameters(), lr=0.1)

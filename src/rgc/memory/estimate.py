@@ -371,15 +371,16 @@ def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
                              implementation: str = "torch", weight_itemsize: int = 2) -> int:
     """Largest transient of one RowAdam update of a d x k weight at rank r, in bytes.
 
-    The finiteness check (7dr); then the direction U (4dr) stays live while the update runs
-    (as RGC's) and while, with a copy of the old P (2kr), P is regenerated (as RGC's) and m is
-    carried into the new basis (float64 copies of both P and r x r products, 16kr + 16r^2,
-    then the new m beside the old float64 P, 8kr + 12r^2 + 4dr).
+    The finiteness check (7dr) and the moment update (the new m, selected where the sketch is
+    finite: 8dr); then the direction U (4dr) stays live while the update runs
+    (as RGC's). After every update (U freed), with a copy of the old P (2kr), P is regenerated
+    (as RGC's) and m is carried into the new basis (float64 copies of both P and r x r
+    products, 16kr + 16r^2, then the new m beside the old float64 P, 8kr + 12r^2 + 4dr).
     """
     carry = max(16 * k * r + 16 * r * r, 8 * k * r + 12 * r * r + 4 * d * r)
     return UPDATE_SCALAR_BYTES + max(
-        7 * d * r, 4 * d * r + max(_update_temp(d, k, r, chunk_rows, implementation),
-                                   2 * k * r + max(_refresh_temp(k, r, weight_itemsize), carry)))
+        8 * d * r, 4 * d * r + _update_temp(d, k, r, chunk_rows, implementation),
+        2 * k * r + max(_refresh_temp(k, r, weight_itemsize), carry))
 
 
 # -- compute mode (rgc.compute): FP32 matmuls on low-precision weights ----------------------
