@@ -100,8 +100,9 @@ def measure_matmul_times(dtype: torch.dtype = torch.bfloat16, repeats: int = 5
                          ) -> tuple[float, float]:
     """Seconds of one CPU ``F.linear`` (64 x 256 by 256 x 256) in ``dtype``, and upcast to FP32.
 
-    The fastest of ``repeats`` timings after a warm-up, with the current thread count; cached
-    per process (the first call costs a few milliseconds).
+    The fastest of ``repeats`` timings after a warm-up, on one thread (the ratio is a property
+    of the kernels; with several threads on a loaded machine one descheduled thread stalls
+    every call); cached per process (the first call costs a few milliseconds).
     """
     gen = torch.Generator().manual_seed(0)
     # Measured at several shapes on one Xeon: with native BF16 (AMX) the ratio is 0.4-0.5 at
@@ -118,8 +119,13 @@ def measure_matmul_times(dtype: torch.dtype = torch.bfloat16, repeats: int = 5
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    low = best(lambda: F.linear(x, w))
-    upcast = best(lambda: F.linear(x.float(), w.float()).to(dtype))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        low = best(lambda: F.linear(x, w))
+        upcast = best(lambda: F.linear(x.float(), w.float()).to(dtype))
+    finally:
+        torch.set_num_threads(threads)
     return low, upcast
 
 
