@@ -44,3 +44,16 @@ def tiny_qwen3(dtype=torch.float32, seed=0, **overrides):
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(Qwen3Config(**config, attn_implementation="eager"))
     return model.to(dtype)
+
+
+class TwoLayerNet(nn.Module):
+    """``down_proj(norm(tanh(up_proj(x))))``: two targets, a biased one, and a LayerNorm."""
+
+    def __init__(self, d_in: int, hidden: int, d_out: int):
+        super().__init__()
+        self.up_proj = nn.Linear(d_in, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.down_proj = nn.Linear(hidden, d_out, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(self.norm(torch.tanh(self.up_proj(x))))

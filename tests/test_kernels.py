@@ -16,7 +16,6 @@ import torch
 import torch.nn as nn
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import rgc
 from rgc import RGCOptimizer, stochastic_round
@@ -30,6 +29,7 @@ from tests.bf16_checks import (  # noqa: E402
     bf16_ulp_distance,
     bits16,
 )
+from tests.host_reads import CountHostReads  # noqa: E402
 
 BF16_MAX_BITS = 0x7F7F0000
 
@@ -213,19 +213,6 @@ def test_fused_update_bad_input_leaves_weight_unchanged():
 
 # ------------------------------------------------- coef on the device, ||W_new||^2, coef 0
 
-class _CountSyncs(TorchDispatchMode):
-    """Counts host reads of tensor values (``.item()``, ``float()``, ``bool()``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def sq_norm64(weight):
     return (weight.double() ** 2).sum().item()
 
@@ -240,7 +227,7 @@ def test_tensor_coef_and_sq_norm_out(w_dtype, p_dtype):
     K.lowrank_update_(by_float, sketch, projection, coef, seed=9, offset=5)
     sq = torch.full((), -1.0)
     coef_t = torch.tensor(coef, dtype=torch.float32)
-    with _CountSyncs() as syncs:
+    with CountHostReads() as syncs:
         K.lowrank_update_(weight, sketch, projection, coef_t, seed=9, offset=5, sq_norm_out=sq)
     assert syncs.count == 0
     assert torch.equal(weight.view(torch.int16 if w_dtype == torch.bfloat16 else torch.int32),

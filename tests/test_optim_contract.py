@@ -22,6 +22,7 @@ import torch.nn as nn
 
 import rgc
 from rgc.distributed import DistributedRGCOptimizer
+from tests.models import TwoLayerNet
 
 D_IN, HIDDEN, D_OUT, RANK = 12, 10, 6, 3
 
@@ -37,20 +38,9 @@ MATRIX = [(o, k, d) for o in OPTIMIZERS for k in KINDS for d in DTYPES]
 MATRIX_IDS = [f"{o}-{k}-{str(d)[6:]}" for o, k, d in MATRIX]
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up_proj = nn.Linear(D_IN, HIDDEN)
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.down_proj = nn.Linear(HIDDEN, D_OUT, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(self.norm(torch.tanh(self.up_proj(x))))
-
-
-def make_model(opt_name: str, kind: str, dtype: torch.dtype, seed: int = 0) -> Net:
+def make_model(opt_name: str, kind: str, dtype: torch.dtype, seed: int = 0) -> TwoLayerNet:
     torch.manual_seed(seed)
-    net = Net().to(dtype)
+    net = TwoLayerNet(D_IN, HIDDEN, D_OUT).to(dtype)
     if kind == "wrapped":
         rgc.wrap(net, RANK, preset=PRESET[opt_name], seed=7, freeze_others=False)
     return net

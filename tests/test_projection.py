@@ -5,11 +5,11 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from rgc import PROJECTION_KINDS, _native, make_projection
 from rgc.projection import _box_muller_numpy, _gaussian_torch, gaussian_matrix
 from rgc.rounding import random_bits
+from tests.host_reads import CountHostReads
 
 
 @given(k=st.integers(1, 64), r=st.integers(1, 64), seed=st.integers(0, 2**63 - 1),
@@ -168,21 +168,10 @@ def test_out_gives_the_same_bits_as_dtype(kind):
         make_projection(kind, 40, 6, seed=3, out=torch.empty(40, 6), dtype=torch.float32)
 
 
-class _CountScalarReads(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("kind", PROJECTION_KINDS)
 @pytest.mark.parametrize("k", [64, 10])  # both orthonormalisation variants
 def test_generation_reads_no_tensor_value_on_the_host(kind, k):
-    with _CountScalarReads() as mode:
+    with CountHostReads() as mode:
         make_projection(kind, k, 8, seed=1, dtype=torch.bfloat16)
     assert mode.count == 0
 

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from rgc import stochastic_round
 from rgc.rounding import stochastic_round_
+from tests.host_reads import CountHostReads
 
 
 def bf16_neighbours(x: torch.Tensor):
@@ -116,19 +117,9 @@ def test_in_place_variant_rejects_bad_arguments():
 
 
 def test_in_place_variant_reads_no_tensor_value_on_the_host():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._local_scalar_dense.default:
-                Count.count += 1
-            return func(*args, **(kwargs or {}))
-
     x = torch.randn(300)
     x[7] = math.nan
-    with Count():
+    with CountHostReads() as reads:
         stochastic_round_(torch.empty(300, dtype=torch.bfloat16), x, seed=1,
                           sq_norm=torch.zeros((), dtype=torch.float64))
-    assert Count.count == 0
+    assert reads.count == 0

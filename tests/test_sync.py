@@ -2,29 +2,18 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 
 import rgc
+from tests.models import TwoLayerNet
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 D_IN, HIDDEN, D_OUT = 24, 20, 12
 
 
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up_proj = nn.Linear(D_IN, HIDDEN)
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.down_proj = nn.Linear(HIDDEN, D_OUT, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(self.norm(torch.tanh(self.up_proj(x))))
-
-
 def _base():
     torch.manual_seed(0)
-    return _Net().to(torch.bfloat16)
+    return TwoLayerNet(D_IN, HIDDEN, D_OUT).to(torch.bfloat16)
 
 
 def _trainer(base, opt_name, *, step_control=None):
