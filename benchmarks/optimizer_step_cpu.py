@@ -9,11 +9,12 @@ the rebuild (2 r flops per weight element), the floor of any CPU implementation 
 a fourth row times only the regeneration of every layer's P (what refresh='every_step' adds).
 AdamW gets the same BF16 weights with BF16 gradients (its state in BF16, as torch keeps it),
 and FP32 weights with FP32 gradients.
-Timings are medians over interleaved repetitions; the ratio is what to read. The default clock
+Timings are medians over interleaved repetitions, the order of the methods rotated at each one;
+the ratio is what to read. The default clock
 is the CPU time of the calling thread (every method runs on it with one torch thread), which a
 machine shared with other jobs disturbs far less than wall time; ``--clock wall`` for wall time.
 
-    python benchmarks/optimizer_step_cpu.py [--scale 4] [--layers 2] [--rank 64] [--reps 7]
+    python benchmarks/optimizer_step_cpu.py [--scale 4] [--layers 2] [--rank 64] [--reps 12]
         [--threads 1] [--clock cpu|wall]
 """
 
@@ -47,19 +48,22 @@ def layer_shapes(scale: int) -> list[tuple[str, int, int]]:
             ("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)]
 
 
-def build_rgc(shapes, rank: int, refresh, seed: int = 0):
+def build_rgc(shapes, rank: int, seed: int = 0):
+    """``step(refresh)``: one RGCOptimizer step on the same layers, with a new P after the
+    update (``refresh=True``) or keeping P. Both rows use these layers, so they share memory
+    placement: two identical sets of fixed-P layers built apart were measured up to 5% apart."""
     layers = []
     for n, (_, d, k) in enumerate(shapes):
-        layer = CompressedLinear(k, d, bias=False, rank=rank, refresh=refresh, seed=seed + n,
-                                 dtype=torch.bfloat16)
+        layer = CompressedLinear(k, d, bias=False, rank=rank, seed=seed + n, dtype=torch.bfloat16)
         layer.sketch = torch.zeros(d, rank)
         layers.append(layer)
     sketches = [torch.randn(layer.sketch.shape, generator=torch.Generator().manual_seed(n))
                 for n, layer in enumerate(layers)]
     opt = RGCOptimizer([layer.weight for layer in layers], lr=1e-3)
 
-    def step():
+    def step(refresh: bool):
         for layer, c in zip(layers, sketches, strict=True):
+            layer.refresh = "every_step" if refresh else "never"
             layer.sketch.copy_(c)
         t = clock()
         opt.step()
@@ -115,7 +119,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--scale", type=int, default=4)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rank", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=12,
+                    help="repetitions (a multiple of 6 puts every method at every position)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: stable figures on a shared machine)")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
@@ -137,9 +142,10 @@ def run(args) -> list[dict]:
 
     shapes = layer_shapes(args.scale) * args.layers
     numel = sum(d * k for _, d, k in shapes)
+    rgc_step = build_rgc(shapes, args.rank)
     runs = {
-        "rgc (P refreshed every step)": build_rgc(shapes, args.rank, "every_step"),
-        "rgc (P fixed)": build_rgc(shapes, args.rank, "never"),
+        "rgc (P refreshed every step)": lambda: rgc_step(True),
+        "rgc (P fixed)": lambda: rgc_step(False),
         "of which: rebuild GEMMs only": build_rebuild_only(shapes, args.rank),
         "of which: P refresh only": build_refresh_only(shapes, args.rank),
         "adamw foreach, bf16 params": build_adamw(shapes, torch.bfloat16),
@@ -148,9 +154,14 @@ def run(args) -> list[dict]:
     for step in runs.values():  # warm-up
         step()
     times = {name: [] for name in runs}
-    for _ in range(args.reps):  # interleaved, so drifting machine load hits every method
-        for name, step in runs.items():
-            times[name].append(step())
+    names = list(runs)
+    for rep in range(args.reps):
+        # Interleaved, so drifting machine load hits every method, and in an order rotated at
+        # each repetition: the method run right after the FP32 AdamW step was measured up to
+        # 10% slower, so a fixed order favours some rows.
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(runs[name]())
     base = statistics.median(times["adamw foreach, bf16 params"])
     fixed = statistics.median(times["rgc (P fixed)"])
     rows = []

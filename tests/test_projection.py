@@ -1,4 +1,5 @@
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -179,3 +180,114 @@ def test_generation_reads_no_tensor_value_on_the_host(kind, k):
 def test_too_large_a_projection_is_refused_before_allocating():
     with pytest.raises(ValueError, match="too large"):
         gaussian_matrix(2**26, 64, seed=0)
+
+
+# --- the compiled CPU CholeskyQR (rgc._native.rgc_cholesky_qr) --------------------------------
+
+needs_native = pytest.mark.skipif(_native.library() is None, reason="no C compiler here")
+
+
+@needs_native
+@given(r=st.integers(1, 40), extra=st.integers(0, 90), seed=st.integers(0, 2**63 - 1),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_compiled_orthonormal_is_the_sign_corrected_qr_of_g(r, extra, seed, dtype):
+    # Reference: float64 Householder QR of the same G. FP32 P: within 1e-6 sqrt(k/r) (G is
+    # well conditioned for k >= 4r); BF16 P: the reference rounded to nearest, give or take
+    # one BF16 step where the FP32 value lies within 1e-6 of a rounding boundary.
+    k = 4 * r + extra
+    g = gaussian_matrix(k, r, seed=seed).double()
+    q, upper = torch.linalg.qr(g)
+    want = q * torch.sign(torch.diagonal(upper)) * math.sqrt(k / r)
+    got = make_projection("orthonormal", k, r, seed=seed, dtype=dtype).double()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-6 * math.sqrt(k / r), rtol=0)
+    else:
+        step = torch.finfo(torch.bfloat16).eps * want.abs()  # one BF16 step, at most
+        assert ((got - want).abs() <= step / 2 + 1e-6 * math.sqrt(k / r)).all()
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_and_torch_orthonormal_agree(monkeypatch, dtype):
+    # The path without a compiler (torch's BLAS) computes the same P up to rounding.
+    for k, r in [(64, 16), (200, 7), (513, 33)]:
+        compiled = make_projection("orthonormal", k, r, seed=k, dtype=dtype).double()
+        with pytest.MonkeyPatch.context() as mp:
+            _no_native(mp)
+            plain = make_projection("orthonormal", k, r, seed=k, dtype=dtype).double()
+        tol = 2e-6 if dtype == torch.float32 else 2 * torch.finfo(torch.bfloat16).eps
+        torch.testing.assert_close(compiled, plain, atol=tol * math.sqrt(k / r), rtol=0)
+
+
+def _cholesky_qr(lib, g: torch.Tensor, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+    """rgc_cholesky_qr of one library build on G (k x r FP32): (status, P)."""
+    k, r = g.shape
+    ld = -(-r // 16) * 16
+    rows = torch.zeros(k, ld)
+    rows[:, :r] = g
+    work = torch.zeros(5 * ld * ld + 2 * ld)
+    out = torch.full((k, r), -7.0, dtype=dtype)
+    status = lib.rgc_cholesky_qr(rows.data_ptr(), k, r, ld, int(dtype == torch.float32),
+                                 math.sqrt(k / r), out.data_ptr(), int(dtype == torch.bfloat16),
+                                 work.data_ptr())
+    return status, out
+
+
+@needs_native
+def test_compiled_orthonormal_has_the_same_bits_for_every_vector_width():
+    # Every lane performs the same IEEE operations (fused multiply-adds included), so builds
+    # for AVX-512, AVX2 and plain scalar code (where this CPU runs them) give the same bits.
+    builds = {"native": _native.library(), "scalar": _native._compile([()])}
+    flags = open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").exists() else ""
+    if " avx2 " in flags and " fma " in flags:
+        builds["avx2"] = _native._compile([("-mavx2", "-mfma", "-mno-avx512f")])
+    assert builds["scalar"] is not None
+    for k, r in [(40, 10), (300, 64), (77, 17)]:
+        g = gaussian_matrix(k, r, seed=r)
+        for dtype in (torch.float32, torch.bfloat16):
+            results = {name: _cholesky_qr(lib, g, dtype) for name, lib in builds.items()}
+            for name, (status, out) in results.items():
+                assert status == 0, name
+                assert torch.equal(out, results["native"][1]), (name, k, r, dtype)
+
+
+@needs_native
+def test_compiled_cholesky_qr_refuses_a_rank_deficient_g():
+    g = gaussian_matrix(64, 8, seed=0)
+    g[:, 3] = g[:, 5]  # two equal columns: the Gram is singular
+    status, out = _cholesky_qr(_native.library(), g, torch.float32)
+    assert status == 1 and (out == -7.0).all()  # out untouched
+
+
+@needs_native
+def test_a_degenerate_g_falls_back_to_torch(monkeypatch):
+    # make_projection then runs the torch path on the same G; here the C routine is made to
+    # report failure, and the result must still be the plain path's.
+    class Failing:
+        def __init__(self, lib):
+            self._lib = lib
+
+        def __getattr__(self, name):
+            return getattr(self._lib, name)
+
+        @staticmethod
+        def rgc_cholesky_qr(*args):
+            return 1
+
+    lib = _native.library()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_native, "library", lambda: Failing(lib))
+        got = make_projection("orthonormal", 64, 8, seed=2)
+    with pytest.MonkeyPatch.context() as mp:
+        _no_native(mp)
+        want = make_projection("orthonormal", 64, 8, seed=2)
+    assert torch.equal(got, want)
+
+
+def test_the_reused_cpu_workspace_does_not_change_p():
+    # Projections of other shapes built in between (the workspace is shared and regrown).
+    first = make_projection("orthonormal", 96, 12, seed=5, dtype=torch.bfloat16)
+    for k, r in [(4000, 64), (96, 12), (33, 30), (500, 3)]:
+        make_projection("orthonormal", k, r, seed=1)
+    assert torch.equal(make_projection("orthonormal", 96, 12, seed=5, dtype=torch.bfloat16),
+                       first)

@@ -57,12 +57,14 @@ void rgc_hash_grid(float *out, int64_t n, uint32_t lo0, uint32_t s_lo, uint32_t 
 
 /* Box-Muller Gaussians from the hash of indices m and K + m (K = k h, keyed s_lo, s_hi; the
    caller ensures 2 K < 2^32), written as G[i][c] (cosine) and G[i][h + c] (sine), m = i h + c,
-   G row-major k x 2h. Only IEEE float operations in a fixed order: rgc.projection's numpy twin
-   computes the same bits. The constants come from Python (BOX_MULLER_CONSTANTS). */
-void rgc_gaussian(float *g, int64_t k, int64_t h, uint32_t s_lo, uint32_t s_hi) {
+   G row-major k x 2h with rows ldg >= 2h floats apart (columns 2h..ldg-1 set to zero). Only
+   IEEE float operations in a fixed order: rgc.projection's numpy twin computes the same bits.
+   The constants come from Python (BOX_MULLER_CONSTANTS). */
+void rgc_gaussian(float *g, int64_t k, int64_t h, int64_t ldg, uint32_t s_lo, uint32_t s_hi) {
     const uint32_t big = (uint32_t)(k * h);
     for (int64_t i = 0; i < k; i++) {
-        float *row = g + i * 2 * h;
+        float *row = g + i * ldg;
+        for (int64_t c = 2 * h; c < ldg; c++) row[c] = 0.0f;
         for (int64_t c = 0; c < h; c++) {
             uint32_t m = (uint32_t)(i * h + c);
             uint32_t w0 = mix32(mix32(m ^ s_lo) ^ s_hi) >> 8;
@@ -142,6 +144,222 @@ void rgc_round_bf16(const uint32_t *x, uint16_t *out, int64_t n, uint32_t lo0, u
     }
     for (int j = 0; j < 16; j++) lanes[j] = acc[j];
 }
+
+/* ---- CholeskyQR of a Gaussian matrix (rgc.projection) --------------------------------------
+   One SIMD type per instruction set; every lane computes the same IEEE operations (a fused
+   multiply-add rounds once everywhere, fmaf/fma in the scalar build), so the vector width
+   changes the speed, never the bits. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+typedef __m512 vf;
+typedef __m512d vd;
+enum { VF = 16, VD = 8 };
+#define vf_load _mm512_loadu_ps
+#define vf_store _mm512_storeu_ps
+#define vf_set1 _mm512_set1_ps
+#define vf_fma _mm512_fmadd_ps
+#define vd_load _mm512_loadu_pd
+#define vd_store _mm512_storeu_pd
+#define vd_set1 _mm512_set1_pd
+#define vd_fma _mm512_fmadd_pd
+#define vd_from_floats(p) _mm512_cvtps_pd(_mm256_loadu_ps(p))
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+typedef __m256 vf;
+typedef __m256d vd;
+enum { VF = 8, VD = 4 };
+#define vf_load _mm256_loadu_ps
+#define vf_store _mm256_storeu_ps
+#define vf_set1 _mm256_set1_ps
+#define vf_fma _mm256_fmadd_ps
+#define vd_load _mm256_loadu_pd
+#define vd_store _mm256_storeu_pd
+#define vd_set1 _mm256_set1_pd
+#define vd_fma _mm256_fmadd_pd
+#define vd_from_floats(p) _mm256_cvtps_pd(_mm_loadu_ps(p))
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+typedef float32x4_t vf;
+typedef float64x2_t vd;
+enum { VF = 4, VD = 2 };
+#define vf_load vld1q_f32
+#define vf_store vst1q_f32
+#define vf_set1 vdupq_n_f32
+#define vf_fma(a, b, c) vfmaq_f32(c, a, b)
+#define vd_load vld1q_f64
+#define vd_store vst1q_f64
+#define vd_set1 vdupq_n_f64
+#define vd_fma(a, b, c) vfmaq_f64(c, a, b)
+#define vd_from_floats(p) vcvt_f64_f32(vld1_f32(p))
+#else
+typedef float vf;
+typedef double vd;
+enum { VF = 1, VD = 1 };
+#define vf_load(p) (*(p))
+#define vf_store(p, v) (*(p) = (v))
+#define vf_set1(x) (x)
+#define vf_fma fmaf
+#define vd_load(p) (*(p))
+#define vd_store(p, v) (*(p) = (v))
+#define vd_set1(x) (x)
+#define vd_fma fma
+#define vd_from_floats(p) ((double)*(p))
+#endif
+
+enum { COLS = 16, PCOLS = 32, ROWS = 8, CHUNK = 128 };  /* register blocks ROWS x COLS (Gram),
+                                                          ROWS x PCOLS (product); rows of G per Gram pass */
+
+static inline int64_t round_up16(int64_t x) { return (x + 15) & ~(int64_t)15; }
+
+/* out (ld x ld float64, ld = round_up16(r), zero on entry) += the Gram matrix G^T G, G k x r
+   row-major with rows ldg >= ld floats apart. Every entry is one chain of fused multiply-adds
+   over the rows of G in order 0..k-1, in FP32 (wide = 0) or float64 (wide = 1: the FP32
+   products are then exact). The upper triangle is exact to that definition; entries below the
+   diagonal and in the padding are not meaningful. FP32 sums live in out's first half. */
+static void gram(const float *g, int64_t k, int64_t r, int64_t ldg, int wide, double *out) {
+    const int64_t ld = round_up16(r);
+    float *outf = (float *)out;
+    for (int64_t i0 = 0; i0 < k; i0 += CHUNK) {
+        const int64_t i1 = k - i0 < CHUNK ? k : i0 + CHUNK;
+        for (int64_t a0 = 0; a0 < r; a0 += ROWS) {
+            for (int64_t b0 = a0 & ~(int64_t)15; b0 < ld; b0 += COLS) {
+                if (!wide) {
+                    vf acc[ROWS][COLS / VF];
+                    for (int j = 0; j < ROWS; j++)
+                        for (int v = 0; v < COLS / VF; v++)
+                            acc[j][v] = vf_load(outf + (a0 + j) * ld + b0 + v * VF);
+                    for (int64_t i = i0; i < i1; i++) {
+                        const float *gi = g + i * ldg;
+                        for (int v = 0; v < COLS / VF; v++) {
+                            vf y = vf_load(gi + b0 + v * VF);
+                            for (int j = 0; j < ROWS; j++)
+                                acc[j][v] = vf_fma(vf_set1(gi[a0 + j]), y, acc[j][v]);
+                        }
+                    }
+                    for (int j = 0; j < ROWS; j++)
+                        for (int v = 0; v < COLS / VF; v++)
+                            vf_store(outf + (a0 + j) * ld + b0 + v * VF, acc[j][v]);
+                } else {
+                    vd acc[ROWS][COLS / VD];
+                    for (int j = 0; j < ROWS; j++)
+                        for (int v = 0; v < COLS / VD; v++)
+                            acc[j][v] = vd_load(out + (a0 + j) * ld + b0 + v * VD);
+                    for (int64_t i = i0; i < i1; i++) {
+                        const float *gi = g + i * ldg;
+                        for (int v = 0; v < COLS / VD; v++) {
+                            vd y = vd_from_floats(gi + b0 + v * VD);
+                            for (int j = 0; j < ROWS; j++)
+                                acc[j][v] = vd_fma(vd_set1((double)gi[a0 + j]), y, acc[j][v]);
+                        }
+                    }
+                    for (int j = 0; j < ROWS; j++)
+                        for (int v = 0; v < COLS / VD; v++)
+                            vd_store(out + (a0 + j) * ld + b0 + v * VD, acc[j][v]);
+                }
+            }
+        }
+    }
+    if (!wide)  /* widen in place, last entry first */
+        for (int64_t n = ld * ld - 1; n >= 0; n--) out[n] = outf[n];
+}
+
+/* dst[c] = fma(-v, row[c], dst[c]) for whole vectors covering [from, ld). */
+static inline void subtract_row(double *dst, const double *row, double v, int64_t from,
+                                int64_t ld) {
+    const vd m = vd_set1(-v);
+    for (int64_t c = from - from % VD; c < ld; c += VD)
+        vd_store(dst + c, vd_fma(m, vd_load(row + c), vd_load(dst + c)));
+}
+
+/* a (r x r, leading dimension ld = round_up16(r), upper triangle read): overwritten with its
+   upper Cholesky factor R (right-looking); x (same layout) = scale R^-1 (backward
+   substitution), zero below the diagonal and in the padding. row: ld doubles. Returns 1 (and
+   stops) if a is not positive definite, else 0. */
+static int inverse_cholesky(double *a, double *x, int64_t r, double scale, double *row) {
+    const int64_t ld = round_up16(r);
+    for (int64_t j = 0; j < r; j++) {
+        double *aj = a + j * ld;
+        if (!(aj[j] > 0.0)) return 1;
+        const double d = sqrt(aj[j]);
+        aj[j] = d;
+        for (int64_t c = j + 1; c < ld; c++) row[c] = aj[c] = aj[c] / d;
+        for (int64_t i = j + 1; i < r; i++) subtract_row(a + i * ld, row, row[i], i, ld);
+    }
+    memset(x, 0, sizeof(double) * r * ld);
+    for (int64_t i = 0; i < r; i++) x[i * ld + i] = scale;
+    for (int64_t i = r - 1; i >= 0; i--) {
+        double *xi = x + i * ld;
+        const double d = a[i * ld + i];
+        for (int64_t c = i - i % VD; c < i; c++) row[c] = 0.0;
+        for (int64_t c = i; c < ld; c++) row[c] = xi[c] = xi[c] / d;
+        for (int64_t m = 0; m < i; m++) subtract_row(x + m * ld, row, a[m * ld + i], i, ld);
+    }
+    return 0;
+}
+
+static inline uint16_t bf16_nearest_even(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* out (k x r row-major, FP32, or BF16 rounded to nearest even) = G inv; inv r x ld FP32,
+   upper triangular (zero below the diagonal and in the padding). Every entry is one chain of
+   fused multiply-adds over i = 0, 1, ... to the end of its 16-column block; the terms past its
+   own column are exact zeros, which leave it unchanged. */
+static void product(const float *g, int64_t k, int64_t r, int64_t ldg, const float *inv,
+                    void *out, int out_bf16) {
+    const int64_t ld = round_up16(r);
+    float block[ROWS][PCOLS];
+    for (int64_t r0 = 0; r0 < k; r0 += ROWS) {
+        const int64_t rows = k - r0 < ROWS ? k - r0 : ROWS;
+        const float *g0 = g + r0 * ldg;
+        for (int64_t c0 = 0; c0 < r; c0 += PCOLS) {
+            vf acc[ROWS][PCOLS / VF];
+            for (int j = 0; j < ROWS; j++)
+                for (int v = 0; v < PCOLS / VF; v++) acc[j][v] = vf_set1(0.0f);
+            const int64_t iend = c0 + PCOLS < r ? c0 + PCOLS : r;
+            for (int64_t i = 0; i < iend; i++) {
+                for (int v = 0; v < PCOLS / VF; v++) {
+                    vf y = vf_load(inv + i * ld + c0 + v * VF);
+                    for (int j = 0; j < ROWS; j++)  /* rows past k repeat row k-1, unused */
+                        acc[j][v] = vf_fma(vf_set1(g0[(j < rows ? j : rows - 1) * ldg + i]),
+                                           y, acc[j][v]);
+                }
+            }
+            for (int j = 0; j < ROWS; j++)
+                for (int v = 0; v < PCOLS / VF; v++) vf_store(&block[j][v * VF], acc[j][v]);
+            const int64_t cols = r - c0 < PCOLS ? r - c0 : PCOLS;
+            for (int64_t j = 0; j < rows; j++) {
+                if (out_bf16) {
+                    uint16_t *o = (uint16_t *)out + (r0 + j) * r + c0;
+                    for (int64_t l = 0; l < cols; l++) o[l] = bf16_nearest_even(block[j][l]);
+                } else {
+                    memcpy((float *)out + (r0 + j) * r + c0, block[j], sizeof(float) * cols);
+                }
+            }
+        }
+    }
+}
+
+/* P = scale G R^-1 (k x r row-major, FP32 or BF16) for the upper Cholesky factor R of the
+   Gram G^T G (FP32 sums when wide = 0, float64 when 1); G k x r, rows ldg >= round_up16(r)
+   floats apart, finite. work: 2 ld^2 + ld doubles and ld^2 floats, ld = round_up16(r).
+   Returns 0, or 1 if the Gram is not positive definite (then out is untouched). */
+int rgc_cholesky_qr(const float *g, int64_t k, int64_t r, int64_t ldg, int wide, double scale,
+                    void *out, int out_bf16, double *work) {
+    const int64_t ld = round_up16(r);
+    double *a = work, *x = work + ld * ld, *row = work + 2 * ld * ld;
+    float *inv = (float *)(row + ld);
+    memset(a, 0, sizeof(double) * ld * ld);
+    gram(g, k, r, ldg, wide, a);
+    if (inverse_cholesky(a, x, r, scale, row)) return 1;
+    memset(inv, 0, sizeof(float) * r * ld);
+    for (int64_t i = 0; i < r; i++)
+        for (int64_t c = i; c < r; c++) inv[i * ld + c] = (float)x[i * ld + c];
+    product(g, k, r, ldg, inv, out, out_bf16);
+    return 0;
+}
 """
 
 # The constants of rgc_gaussian, rounded to float32 (C gets them as exact hex literals); the
@@ -166,22 +384,27 @@ _lock = threading.Lock()
 _state: dict = {}
 
 
-def _compile() -> ctypes.CDLL | None:
+# Tried in order until one compiles. 512-bit vectors made the Gaussian loop 20% faster on an
+# AVX-512 CPU (no effect elsewhere); some compilers refuse these options, hence the fallbacks.
+# Without -march=native the Gaussian loop was 7x slower (no vector blends).
+FLAG_SETS = (("-march=native", "-mprefer-vector-width=512"), ("-march=native",), ())
+
+
+def _compile(flag_sets=FLAG_SETS) -> ctypes.CDLL | None:
+    """Compile the loops with the first of ``flag_sets`` the compiler accepts (None if none)."""
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
         return None
     with tempfile.TemporaryDirectory(prefix="rgc-native-") as tmp:
         src, lib = Path(tmp) / "rgc_native.c", Path(tmp) / "rgc_native.so"
         src.write_text(_c_constants() + _SOURCE)
-        # -ffp-contract=off: no fused multiply-add changes a result (only IEEE operations in
-        # a fixed order, so the flags below change the speed, never the bits). 512-bit vectors
-        # made the Gaussian loop 20% faster on an AVX-512 CPU (no effect elsewhere); some
-        # compilers refuse these options, hence the fallbacks. Without -march=native the
-        # Gaussian loop was 7x slower (no vector blends).
+        # -ffp-contract=off: the compiler fuses no multiply-add on its own (only IEEE
+        # operations in a fixed order, the explicit fused ones included, so the flags change
+        # the speed, never the bits).
         base = [cc, "-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off",
                 "-fno-math-errno"]
-        for flags in (["-march=native", "-mprefer-vector-width=512"], ["-march=native"], []):
-            done = subprocess.run([*base, *flags, str(src), "-o", str(lib)],
+        for flags in flag_sets:
+            done = subprocess.run([*base, *flags, str(src), "-o", str(lib), "-lm"],
                                   capture_output=True, timeout=120)
             if done.returncode == 0:
                 break
@@ -194,10 +417,13 @@ def _compile() -> ctypes.CDLL | None:
     flt = ctypes.c_float
     handle.rgc_hash_grid.argtypes = [ptr, i64, u32, u32, u32, u32, i64, flt, flt]
     handle.rgc_hash_grid.restype = None
-    handle.rgc_gaussian.argtypes = [ptr, i64, i64, u32, u32]
+    handle.rgc_gaussian.argtypes = [ptr, i64, i64, i64, u32, u32]
     handle.rgc_gaussian.restype = None
     handle.rgc_round_bf16.argtypes = [ptr, ptr, i64, u32, u32, u32, u32, i64, ptr]
     handle.rgc_round_bf16.restype = None
+    handle.rgc_cholesky_qr.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ctypes.c_double, ptr,
+                                       ctypes.c_int, ptr]
+    handle.rgc_cholesky_qr.restype = ctypes.c_int
     return handle
 
 

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -125,26 +127,72 @@ def _gaussian_torch(k: int, half: int, *, seed: int, device) -> torch.Tensor:
     return g
 
 
-def gaussian_matrix(k: int, r: int, *, seed: int, device=None) -> torch.Tensor:
-    """``G`` (k x r, FP32, on ``device``): the Box-Muller Gaussians described above."""
+def gaussian_matrix(k: int, r: int, *, seed: int, device=None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """``G`` (k x r, FP32, on ``device``): the Box-Muller Gaussians described above.
+
+    out: optional FP32 k x m tensor, ``m >= 2 ceil(r/2)``, with unit column stride (its device
+    is used): ``G`` is written into its first columns (the others are zeroed) and ``out[:, :r]``
+    is returned.
+    """
     half = (r + 1) // 2
     n = k * half
     if 2 * n >= 1 << 32:
         raise ValueError(f"a {k} x {r} projection is too large (2 k ceil(r/2) >= 2**32)")
-    device = torch.device("cpu") if device is None else torch.device(device)
-    if device.type != "cpu":
-        g = _gaussian_torch(k, half, seed=seed, device=device)
+    if out is None:
+        device = torch.device("cpu") if device is None else torch.device(device)
+        out = torch.empty(k, 2 * half, dtype=torch.float32, device=device)
+    if out.device.type != "cpu":
+        out[:, :2 * half] = _gaussian_torch(k, half, seed=seed, device=out.device)
+        out[:, 2 * half:] = 0
+        return out[:, :r]
+    lib = _native.library()
+    if lib is not None:
+        lib.rgc_gaussian(out.data_ptr(), k, half, out.stride(0), *seed_words(seed, _LABEL))
     else:
-        g = torch.empty(k, 2 * half, dtype=torch.float32)
-        lib = _native.library()
-        if lib is not None:
-            lib.rgc_gaussian(g.data_ptr(), k, half, *seed_words(seed, _LABEL))
-        else:
-            words = random_words(2 * n, seed=seed, label=_LABEL).numpy().view(np.uint32) >> 8
-            cos, sin = _box_muller_numpy(words[:n], words[n:])
-            g.numpy()[:, :half] = cos.reshape(k, half)
-            g.numpy()[:, half:] = sin.reshape(k, half)
-    return g if r == 2 * half else g[:, :r].contiguous()
+        words = random_words(2 * n, seed=seed, label=_LABEL).numpy().view(np.uint32) >> 8
+        cos, sin = _box_muller_numpy(words[:n], words[n:])
+        g = out.numpy()
+        g[:, :half] = cos.reshape(k, half)
+        g[:, half:2 * half] = sin.reshape(k, half)
+        g[:, 2 * half:] = 0
+    return out[:, :r]
+
+
+class _CpuWorkspace(NamedTuple):
+    g_rows: torch.Tensor  # k x ldg FP32: G in its first 2 ceil(r/2) columns, zeros after
+    g_ptr: int
+    ldg: int  # a multiple of 16: every row starts on a 64-byte line
+    work_ptr: int  # the work space of rgc_cholesky_qr
+
+
+_scratch = threading.local()
+
+
+def _cpu_workspace(k: int, r: int) -> _CpuWorkspace:
+    """Where a k x r projection is built on the CPU: one FP32 buffer per thread, reused.
+
+    Why: a fresh CPU tensor of a few hundred KB is mapped from the system at each allocation,
+    and its page faults made a refresh inside an optimizer step markedly slower. Held: the
+    largest ``G`` and work space requested so far (k x round_up(r, 16) FP32 plus five r x r
+    FP32 blocks: 1.7 MB for k=6144, r=64).
+    """
+    views = getattr(_scratch, "views", None)
+    if views is None or (k, r) not in views:
+        ldg, ld = _round_up16(2 * ((r + 1) // 2)), _round_up16(r)
+        numel = k * ldg + 5 * ld * ld + 2 * ld
+        buffer = getattr(_scratch, "buffer", None)
+        if buffer is None or buffer.numel() < numel:
+            _scratch.buffer = buffer = torch.empty(numel, dtype=torch.float32)
+            _scratch.views = views = {}  # views of the previous buffer would keep it alive
+        g_rows = buffer[:k * ldg].view(k, ldg)
+        views[(k, r)] = _CpuWorkspace(g_rows, g_rows.data_ptr(), ldg,
+                                      buffer[k * ldg:].data_ptr())
+    return views[(k, r)]
+
+
+def _round_up16(n: int) -> int:
+    return -(-n // 16) * 16
 
 
 @functools.lru_cache(maxsize=64)
@@ -170,7 +218,8 @@ def orthonormalize(g: torch.Tensor, scale: float = 1.0, *, gram_dtype=torch.floa
 
     g: k x r FP32, k >= r, full column rank. For ``k >= 4 r`` one CholeskyQR pass: ``R`` from
     the Gram matrix in ``gram_dtype``, then ``g R^-1`` in FP32 (returns FP32). Otherwise
-    shifted CholeskyQR3 in float64 (returns float64). See the module docstring.
+    shifted CholeskyQR3 in float64 (returns float64). See the module docstring. This is the
+    path of every device but the CPU with the compiled loops (:func:`make_projection`).
     """
     k, r = g.shape
     if k >= _FP32_RATIO * r:
@@ -236,9 +285,22 @@ def make_projection(
         words = random_words(k * r, seed=seed, label="projection-rademacher", device=out.device)
         magnitude = torch.tensor(1.0 / math.sqrt(r), dtype=dtype, device=out.device)
         return torch.where(words.view(k, r) < 0, -magnitude, magnitude, out=out)
-    g = gaussian_matrix(k, r, seed=seed, device=out.device)
+    scale = math.sqrt(k / r)
+    # Rounding to BF16 (relative 2**-9) swamps the ~1e-5 error of an FP32 Gram.
+    wide = dtype != torch.bfloat16
+    on_cpu = out.device.type == "cpu"
+    lib = _native.library() if on_cpu else None
+    workspace = _cpu_workspace(k, r) if on_cpu else None
+    if (kind == "orthonormal" and lib is not None and k >= _FP32_RATIO * r
+            and dtype in (torch.float32, torch.bfloat16) and out.is_contiguous()):
+        lib.rgc_gaussian(workspace.g_ptr, k, (r + 1) // 2, workspace.ldg,
+                         *seed_words(seed, _LABEL))
+        if lib.rgc_cholesky_qr(workspace.g_ptr, k, r, workspace.ldg, int(wide), scale,
+                               out.data_ptr(), int(not wide), workspace.work_ptr) == 0:
+            return out
+        # The Gram was not positive definite (a degenerate G, not met in practice): torch's path.
+    g = gaussian_matrix(k, r, seed=seed, device=out.device,
+                        out=None if workspace is None else workspace.g_rows)
     if kind == "gaussian":
         return torch.div(g, math.sqrt(r), out=out)
-    # Rounding to BF16 (relative 2**-9) swamps the ~1e-5 error of an FP32 Gram.
-    gram_dtype = torch.float32 if dtype == torch.bfloat16 else torch.float64
-    return out.copy_(orthonormalize(g, math.sqrt(k / r), gram_dtype=gram_dtype))
+    return out.copy_(orthonormalize(g, scale, gram_dtype=torch.float64 if wide else torch.float32))
