@@ -206,8 +206,9 @@ enum { VF = 1, VD = 1 };
 #define vd_from_floats(p) ((double)*(p))
 #endif
 
-enum { COLS = 16, PCOLS = 32, ROWS = 8, CHUNK = 128 };  /* register blocks ROWS x COLS (Gram),
-                                                          ROWS x PCOLS (product); rows of G per Gram pass */
+/* Register blocks: ROWS x COLS entries of the Gram, ROWS x PCOLS of the product. CHUNK: rows of G
+   per pass of the Gram over its blocks. */
+enum { COLS = 16, PCOLS = 32, ROWS = 8, CHUNK = 128 };
 
 static inline int64_t round_up16(int64_t x) { return (x + 15) & ~(int64_t)15; }
 
