@@ -152,12 +152,19 @@ class CompressedLinear(nn.Linear):
         """Seed of the current ``P``: a function of the layer seed and the version."""
         return derive_seed(self.seed, self.projection_version)
 
-    def set_projection_version(self, version: int) -> None:
-        """Regenerate ``P`` for ``version`` (in place, keeping the buffer)."""
+    def set_projection_version(self, version: int, *, renew_sketch_slot: bool = True) -> None:
+        """Regenerate ``P`` for ``version`` (in place, keeping the buffer).
+
+        A new sketch slot makes the backward of a forward run with the old ``P`` fail.
+        ``renew_sketch_slot=False`` leaves that to the caller (``_new_sketch_slot()``): an
+        optimizer renews every slot after all the projections of a step, since interleaved
+        with the regeneration the slots cost a CPU refresh about 10% more.
+        """
         self.projection_version = int(version)
         make_projection(self.projection_kind, self.in_features, self.rank,
                         seed=self.projection_seed, out=self.projection)
-        self._new_sketch_slot()  # a backward of a forward run with the old P is refused
+        if renew_sketch_slot:
+            self._new_sketch_slot()
 
     def _new_sketch_slot(self) -> None:
         """A fresh sketch slot: a d x r FP32 leaf with zero strides (no storage of its own).

@@ -193,7 +193,8 @@ class SketchOptimizer(Optimizer):
         raise NotImplementedError
 
     def _refresh(self, p, layer: CompressedLinear, state: dict) -> None:
-        layer.set_projection_version(layer.projection_version + 1)
+        """The layer's next ``P``; the caller then renews the layer's sketch slot."""
+        layer.set_projection_version(layer.projection_version + 1, renew_sketch_slot=False)
 
     # -- shared machinery ---------------------------------------------------------------
     def _init_state(self, p: torch.Tensor, layer: CompressedLinear | None) -> dict:
@@ -262,14 +263,20 @@ class SketchOptimizer(Optimizer):
                 deferred.append((p, layer, state))
                 return
             self._refresh(p, layer, state)
+            layer._new_sketch_slot()
         state["projection_version"] = layer.projection_version
 
     def _run_deferred_refreshes(self) -> None:
-        """Regenerate the projections whose refresh :meth:`step` deferred to its end."""
+        """Regenerate the projections whose refresh :meth:`step` deferred to its end, then
+        renew their sketch slots."""
         deferred = self.__dict__.pop("_deferred_refreshes")
-        for p, layer, state in deferred:
-            self._refresh(p, layer, state)
-            state["projection_version"] = layer.projection_version
+        try:
+            for p, layer, state in deferred:
+                self._refresh(p, layer, state)
+                state["projection_version"] = layer.projection_version
+        finally:
+            for _, layer, _ in deferred:
+                layer._new_sketch_slot()
 
     def _apply(self, update, alpha: float, records: list | None) -> None:
         if update is None:
