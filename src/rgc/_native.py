@@ -52,7 +52,7 @@ void rgc_hash_words(uint32_t *out, int64_t n, uint32_t lo0, uint32_t s_lo, uint3
 void rgc_hash_grid(float *out, int64_t n, uint32_t lo0, uint32_t s_lo, uint32_t k0, uint32_t k1,
                    int64_t wrap, float add, float mul) {
     for (int64_t i = 0; i < n; i++)
-        out[i] = ((float)(bits_at(i, lo0, s_lo, k0, k1, wrap) >> 8) + add) * mul;
+        out[i] = ((float)(int32_t)(bits_at(i, lo0, s_lo, k0, k1, wrap) >> 8) + add) * mul;
 }
 
 /* Box-Muller Gaussians from the hash of indices m and K + m (K = k h, keyed s_lo, s_hi; the
@@ -70,16 +70,18 @@ void rgc_gaussian(float *g, int64_t k, int64_t h, int64_t ldg, uint32_t s_lo, ui
             uint32_t w0 = mix32(mix32(m ^ s_lo) ^ s_hi) >> 8;
             uint32_t w1 = mix32(mix32((big + m) ^ s_lo) ^ s_hi) >> 8;
             /* -2 ln u, u = (w0 + 1) 2^-24 = 2^(e - 24) f, f in [sqrt(1/2), sqrt(2)) */
-            float n = (float)(w0 + 1u);
+            float n = (float)(int32_t)(w0 + 1u);
             uint32_t nb;
             memcpy(&nb, &n, sizeof nb);
             int32_t e = (int32_t)(nb >> 23) - 127;
             uint32_t fb = (nb & 0x007FFFFFu) | 0x3F800000u;
+            /* f > sqrt(2): halve f (one less in the exponent field, exact) and add 1 to e; in
+               integers, which every vector instruction set selects without a branch */
+            uint32_t big_f = fb > BM_SQRT2_BITS;
+            fb -= big_f << 23;
+            e += (int32_t)big_f;
             float f;
             memcpy(&f, &fb, sizeof f);
-            int big_f = f > BM_SQRT2;
-            f = big_f ? f * 0.5f : f;
-            e = big_f ? e + 1 : e;
             float s = (f - 1.0f) / (f + 1.0f);
             float z = s * s;
             float p = BM_L4;
@@ -88,7 +90,7 @@ void rgc_gaussian(float *g, int64_t k, int64_t h, int64_t ldg, uint32_t s_lo, ui
             float rho = sqrtf(-2.0f * ln_u);
             /* angle: quadrant q and x in [0, pi/2) */
             uint32_t q = w1 >> 22;
-            float x = (float)(w1 & 0x3FFFFFu) * BM_XSTEP;
+            float x = (float)(int32_t)(w1 & 0x3FFFFFu) * BM_XSTEP;
             float y = x * x;
             float sp = BM_S6;
             sp = sp * y + BM_S5; sp = sp * y + BM_S4; sp = sp * y + BM_S3; sp = sp * y + BM_S2;
@@ -343,6 +345,16 @@ static void product(const float *g, int64_t k, int64_t r, int64_t ldg, const flo
     }
 }
 
+/* 1 when this build has hardware fused multiply-adds (without them, fmaf runs in software and
+   the CholeskyQR below is about 30x slower: rgc.projection then uses torch instead). */
+int rgc_fast_fma(void) {
+#if defined(__FMA__) || defined(__AVX512F__) || defined(__aarch64__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* P = scale G R^-1 (k x r row-major, FP32 or BF16) for the upper Cholesky factor R of the
    Gram G^T G (FP32 sums when wide = 0, float64 when 1); G k x r, rows ldg >= round_up16(r)
    floats apart, finite. work: 2 ld^2 + ld doubles and ld^2 floats, ld = round_up16(r).
@@ -377,8 +389,10 @@ BOX_MULLER_CONSTANTS: dict[str, float] = {
 
 
 def _c_constants() -> str:
-    return "".join(f"#define BM_{name} {float(np.float32(v)).hex()}f\n"
-                   for name, v in BOX_MULLER_CONSTANTS.items())
+    sqrt2_bits = int(np.float32(BOX_MULLER_CONSTANTS["SQRT2"]).view(np.uint32))
+    return f"#define BM_SQRT2_BITS {sqrt2_bits:#x}u\n" + "".join(
+        f"#define BM_{name} {float(np.float32(v)).hex()}f\n"
+        for name, v in BOX_MULLER_CONSTANTS.items())
 
 
 _lock = threading.Lock()
@@ -425,6 +439,8 @@ def _compile(flag_sets=FLAG_SETS) -> ctypes.CDLL | None:
     handle.rgc_cholesky_qr.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ctypes.c_double, ptr,
                                        ctypes.c_int, ptr]
     handle.rgc_cholesky_qr.restype = ctypes.c_int
+    handle.rgc_fast_fma.restype = ctypes.c_int
+    handle.fast_fma = bool(handle.rgc_fast_fma())
     return handle
 
 

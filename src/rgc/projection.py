@@ -291,7 +291,7 @@ def make_projection(
     on_cpu = out.device.type == "cpu"
     lib = _native.library() if on_cpu else None
     workspace = _cpu_workspace(k, r) if on_cpu else None
-    if (kind == "orthonormal" and lib is not None and k >= _FP32_RATIO * r
+    if (kind == "orthonormal" and lib is not None and lib.fast_fma and k >= _FP32_RATIO * r
             and dtype in (torch.float32, torch.bfloat16) and out.is_contiguous()):
         lib.rgc_gaussian(workspace.g_ptr, k, (r + 1) // 2, workspace.ldg,
                          *seed_words(seed, _LABEL))
