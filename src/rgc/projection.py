@@ -21,20 +21,33 @@ device (nothing is computed on the CPU and copied, nothing synchronises the host
   Computed by CholeskyQR (``R`` = upper Cholesky factor of ``G^T G``):
   for ``k >= 4 r`` one pass, the Gram in float64 (in FP32 when ``P`` is returned in BF16,
   whose rounding is far coarser) and ``G R^-1`` in FP32; ``G`` is then well conditioned
-  with overwhelming probability and ``P^T P = (k/r) I`` to about 1e-6 relative (tested to
+  with overwhelming probability and ``P^T P = (k/r) I`` to about 1e-7 relative (tested to
   1e-5) before the final rounding. For ``k < 4 r``, where ``G`` can be ill conditioned,
   shifted CholeskyQR3 in float64 (three passes, the first with a shift of the Gram diagonal;
   stable up to cond(G) ~ 1e15). Every ``R`` is upper triangular with a positive diagonal, so
   each variant gives the same Q in exact arithmetic.
+
+  On the CPU, for ``k >= 4 r`` and P in BF16 or FP32, the pass is one compiled routine of
+  :mod:`rgc._native` (where the build has hardware fused multiply-adds) that fixes every
+  operation: each Gram entry is a chain of fused multiply-adds over the rows of ``G`` in
+  order; the float64 Cholesky factorisation (right-looking) and ``sqrt(k/r) R^-1``
+  (backward substitution) use fused multiply-adds in the order of their steps; ``R^-1`` is
+  rounded to FP32, and each entry of ``G R^-1`` is a chain of fused multiply-adds over
+  ``i = 0, 1, ...`` (FP32), rounded once to P's dtype (to nearest). Where it does not apply
+  (other devices, no C compiler, a ``G`` whose Gram is not positive definite), torch's
+  matrix products and ``cholesky_ex``/``solve_triangular`` compute the same formulas with
+  the library's (BLAS) rounding.
 * ``gaussian``: ``G / sqrt(r)``.
 * ``rademacher``: ``+-1/sqrt(r)``, negative where the word of index ``i r + j`` has its top
   bit set (label ``"projection-rademacher"``).
 
 Every kind is then rounded once to the requested dtype. ``E[P P^T] = I`` holds for every
 kind because the law of ``P`` is invariant under signed permutations of its rows.
-Reproducibility: the same seed on the same device type (and library build) gives the same
-bits; ``rademacher`` is bit-identical everywhere; the Gaussian kinds computed on different
-device types (CPU vs CUDA) differ by floating-point rounding, around 1e-6 relative.
+Reproducibility: ``rademacher`` is bit-identical everywhere; ``G``, and ``gaussian`` P, are
+bit-identical on every CPU; the compiled orthonormal pass gives the same bits on every CPU
+that runs it, whatever its vector width (every lane performs the same IEEE operations);
+otherwise the same seed on the same device type and library build gives the same bits, and
+different device types (CPU vs CUDA) or BLAS builds differ by rounding, around 1e-7 relative.
 """
 
 from __future__ import annotations
@@ -180,7 +193,7 @@ def _cpu_workspace(k: int, r: int) -> _CpuWorkspace:
     views = getattr(_scratch, "views", None)
     if views is None or (k, r) not in views:
         ldg, ld = _round_up16(2 * ((r + 1) // 2)), _round_up16(r)
-        numel = k * ldg + 5 * ld * ld + 2 * ld
+        numel = k * ldg + 5 * ld * ld + 18 * ld
         buffer = getattr(_scratch, "buffer", None)
         if buffer is None or buffer.numel() < numel:
             _scratch.buffer = buffer = torch.empty(numel, dtype=torch.float32)
