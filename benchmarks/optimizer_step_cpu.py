@@ -14,7 +14,7 @@ the ratio is what to read. The default clock
 is the CPU time of the calling thread (every method runs on it with one torch thread), which a
 machine shared with other jobs disturbs far less than wall time; ``--clock wall`` for wall time.
 
-    python benchmarks/optimizer_step_cpu.py [--scale 4] [--layers 2] [--rank 64] [--reps 12]
+    python benchmarks/optimizer_step_cpu.py [--scale 4] [--layers 2] [--rank 64] [--reps 36]
         [--threads 1] [--clock cpu|wall]
 """
 
@@ -121,7 +121,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--scale", type=int, default=4)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rank", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=12,
+    ap.add_argument("--reps", type=int, default=36,
                     help="repetitions (a multiple of 6 puts every method at every position)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: stable figures on a shared machine)")

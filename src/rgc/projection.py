@@ -154,7 +154,9 @@ def gaussian_matrix(k: int, r: int, *, seed: int, device=None,
         raise ValueError(f"a {k} x {r} projection is too large (2 k ceil(r/2) >= 2**32)")
     if out is None:
         device = torch.device("cpu") if device is None else torch.device(device)
-        out = torch.empty(k, 2 * half, dtype=torch.float32, device=device)
+        if device.type != "cpu":
+            return _gaussian_torch(k, half, seed=seed, device=device)[:, :r]
+        out = torch.empty(k, 2 * half, dtype=torch.float32)
     if out.device.type != "cpu":
         out[:, :2 * half] = _gaussian_torch(k, half, seed=seed, device=out.device)
         out[:, 2 * half:] = 0

@@ -336,8 +336,9 @@ def _activations(arch: Architecture, mode: str, rank: int, n: int, seq_len: int,
 
 
 def _refresh_temp(k: int, r: int, weight_itemsize: int = 2) -> int:
-    # rgc.projection, measured: G (4k * 2ceil(r/2)) and G R^-1 (4kr) beside the r x r factors
-    # (BF16 P, k >= 4r); G, its float64 copy and G R^-1 (FP32 P); float64 CholeskyQR3 (k < 4r).
+    # rgc.projection on an accelerator, measured: G (4k * 2ceil(r/2)) and G R^-1 (4kr) beside
+    # the r x r factors (BF16 P, k >= 4r); G, its float64 copy and G R^-1 (FP32 P); float64
+    # CholeskyQR3 (k < 4r). On the CPU, G and the work space live in a reused per-thread buffer.
     if k < 4 * r:
         return 20 * k * r + 16 * r * r + 8
     if weight_itemsize == 2:
