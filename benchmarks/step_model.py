@@ -63,11 +63,12 @@ def layer_phases(d: int, k: int, r: int, *, w_bytes: int = 2, p_bytes: int = 2) 
       tiles are L2 traffic), writes one FP32 partial sum of squares per tile and sums them
       into ``||W_new||^2`` (second launch). No separate ``||W||`` pass.
     * ``sketch zero``: ``C.zero_()``, 4 d r bytes written.
-    * ``P refresh (CholeskyQR2)``: G (k x r FP32) generated on the device from counter-based
-      bits (written once), ``A1 = G^T G`` (read G), ``R1 = chol(A1)``, ``Q1 = G R1^-1``
-      (read G, write Q1), ``A2 = Q1^T Q1`` (read Q1), ``R2 = chol(A2)``,
-      ``Q = Q1 R2^-1`` (read Q1, write Q), then ``P = sqrt(k/r) Q`` in P's dtype (read Q,
-      write P): 8 launches; Grams, solves and Cholesky in FP32.
+    * ``P refresh (CholeskyQR)``, ``rgc.projection`` for k >= 4r: G (k x r FP32) written
+      once by one kernel (``rgc.kernels.gaussian_matrix``), ``A = G^T G`` (read G; FP32 for a
+      BF16 P, else from a float64 copy of G: write and read 8 k r more), ``R = chol(A)`` and
+      ``sqrt(k/r) R^-1`` (r x r, no HBM term), ``Q = G R^-1`` (read G, write Q FP32), then P in
+      its dtype (read Q, write P): 7 launches (the Cholesky and the triangular solve count
+      two each; two more casts for an FP32 P).
     """
     c_bytes = 4 * d * r
     p_total = p_bytes * k * r
@@ -80,8 +81,9 @@ def layer_phases(d: int, k: int, r: int, *, w_bytes: int = 2, p_bytes: int = 2) 
         Phase("update (fused)", 2 * w_bytes * d * k + c_bytes + p_total + 2 * 4 * tiles, 2,
               flops=2.0 * d * k * r * UPDATE_DOTS[p_bytes], tensor_cores=True, l2_bytes=l2),
         Phase("sketch zero", c_bytes, 1),
-        Phase("P refresh (CholeskyQR2)", g + g + 2 * g + g + 2 * g + g + p_total, 8,
-              flops=2 * (2.0 * k * r * r) + 2 * (1.0 * k * r * r) + 2 * (r**3 / 3)),
+        Phase("P refresh (CholeskyQR)", 5 * g + p_total + (0 if p_bytes == 2 else 4 * g),
+              7 if p_bytes == 2 else 9,
+              flops=2 * (2.0 * k * r * r) + 4 * r**3 / 3),
     ]
 
 

@@ -121,6 +121,25 @@ def test_rounding_kernel_specials_and_layouts():
 
 # ---------------------------------------------------------------------------- fused update
 
+@given(k=st.integers(1, 60), r=st.integers(1, 40), seed=st.integers(0, 2**63 - 1))
+def test_gaussian_kernel_has_the_cpu_bits(k, r, seed):
+    # The kernel performs the CPU definition's float32 operations one by one (the compiled
+    # loop and its numpy twin agree bit for bit, tests/test_projection.py).
+    from rgc.projection import gaussian_matrix
+
+    got = K.gaussian_matrix(k, r, seed=seed, device="cpu")
+    assert got.shape == (k, r) and got.dtype == torch.float32
+    assert torch.equal(got, gaussian_matrix(k, r, seed=seed))
+
+
+def test_gaussian_kernel_covers_several_programs():
+    from rgc.projection import gaussian_matrix
+
+    k, r = 70, 33  # 1190 pairs: two programs of 1024
+    assert torch.equal(K.gaussian_matrix(k, r, seed=9, device="cpu"),
+                       gaussian_matrix(k, r, seed=9))
+
+
 @pytest.mark.parametrize("d,k,r", [(1, 1, 1), (37, 53, 7), (70, 129, 24), (65, 200, 64),
                                    (33, 150, 100), (130, 17, 1)])
 @pytest.mark.parametrize("p_dtype", [torch.bfloat16, torch.float32])

@@ -9,6 +9,7 @@ busy cores); with Triton's cache (~/.triton/cache) later runs take seconds.
 """
 
 import importlib
+import re
 import sys
 
 import pytest
@@ -50,7 +51,7 @@ def test_every_configuration_was_compiled(aot, usage):
     # W BF16 x P {BF16, FP32} x {stochastic, nearest} + W FP32 x P {BF16, FP32}, 4 layouts.
     assert len(updates) == len(archs) * 6 * 4
     assert {u.kernel for u in usage} == {"lowrank_update_kernel", "sum_kernel",
-                                         "stochastic_round_kernel"}
+                                         "stochastic_round_kernel", "gaussian_kernel"}
     for u in updates:  # a cap the launcher sets, and ptxas honours
         assert u.registers <= aot.K.MAXNREG_MISALIGNED
 
@@ -90,3 +91,16 @@ def test_every_rank_runs_a_compiled_case(aot, w_dtype, p_dtype):
             stochastic_rounding=stochastic)
         kernel, _grid, args, kwargs = launches[0]
         assert aot.specialization(kernel, args, kwargs) in compiled, r
+
+
+def test_gaussian_kernel_rounds_every_operation_like_the_cpu(aot):
+    # The CPU definition has no fused multiply-add and IEEE division and square root: the
+    # compiled kernel must not contract a multiply and an add, nor approximate / or sqrt.
+    for arch in aot.supported_archs():
+        for _case, launches in aot.gaussian_cases():
+            kernel, _grid, args, kwargs = launches[0]
+            ptx = aot.compile_launch(kernel, args, kwargs, arch).asm["ptx"]
+            assert not re.search(r"\b(fma|mad)\.[a-z.]*f32", ptx)
+            assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx
+            assert "div.approx" not in ptx and "div.full" not in ptx
+            assert "sqrt.approx" not in ptx

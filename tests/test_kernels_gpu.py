@@ -58,6 +58,23 @@ def test_rounding_bit_identical_with_cpu_reference():
         assert torch.equal(bits16(out)[~nan], bits16(ref)[~nan])
 
 
+@pytest.mark.parametrize("k,r", [(4096, 64), (1000, 37), (6144, 256)])
+def test_gaussian_kernel_has_the_cpu_bits(k, r):
+    from rgc.projection import gaussian_matrix
+
+    got = K.gaussian_matrix(k, r, seed=k + r, device=CUDA)
+    assert torch.equal(got.cpu(), gaussian_matrix(k, r, seed=k + r))
+
+
+def test_orthonormal_projection_on_cuda_matches_the_cpu():
+    # The same G; CholeskyQR through cuBLAS/cuSOLVER rounds differently from the CPU pass.
+    for dtype, tol in [(torch.float32, 2e-6), (torch.bfloat16, 2 * 2**-8)]:
+        on_gpu = rgc.make_projection("orthonormal", 2048, 64, seed=5, device=CUDA, dtype=dtype)
+        on_cpu = rgc.make_projection("orthonormal", 2048, 64, seed=5, dtype=dtype)
+        torch.testing.assert_close(on_gpu.cpu().double(), on_cpu.double(),
+                                   atol=tol * math.sqrt(2048 / 64), rtol=0)
+
+
 @pytest.mark.parametrize("d,k,r", [(1000, 3000, 64), (4096, 1000, 100), (257, 4099, 7),
                                    (300, 500, 256), (129, 77, 1)])
 @pytest.mark.parametrize("p_dtype", [torch.bfloat16, torch.float32])

@@ -13,7 +13,9 @@ device (nothing is computed on the CPU and copied, nothing synchronises the host
   (column ``2h - 1`` dropped when r is odd). On the CPU, ``ln``, ``cos`` and ``sin`` are
   fixed polynomial evaluations in float32 (theta split into its quadrant ``b >> 22`` and an
   angle in ``[0, pi/2)``; error below 1e-6, same bits with and without the compiled loop of
-  :mod:`rgc._native`); on other devices torch's ``log``/``cos``/``sin``. Rows are i.i.d.,
+  :mod:`rgc._native`). On CUDA with Triton, :func:`rgc.kernels.gaussian_matrix` performs the
+  same float32 operations (same bits); on other devices torch's ``log``/``cos``/``sin``.
+  Rows are i.i.d.,
   each row's law is symmetric under negation, entries are standard normal up to the 24-bit
   grid (``|G| <= 5.8``).
 * ``orthonormal``: ``P = sqrt(k/r) Q`` with ``Q = G R^-1`` the Q factor of the thin QR of
@@ -44,10 +46,11 @@ device (nothing is computed on the CPU and copied, nothing synchronises the host
 Every kind is then rounded once to the requested dtype. ``E[P P^T] = I`` holds for every
 kind because the law of ``P`` is invariant under signed permutations of its rows.
 Reproducibility: ``rademacher`` is bit-identical everywhere; ``G``, and ``gaussian`` P, are
-bit-identical on every CPU; the compiled orthonormal pass gives the same bits on every CPU
-that runs it, whatever its vector width (every lane performs the same IEEE operations);
-otherwise the same seed on the same device type and library build gives the same bits, and
-different device types (CPU vs CUDA) or BLAS builds differ by rounding, around 1e-7 relative.
+bit-identical on every CPU and on CUDA with Triton; the compiled orthonormal pass gives the
+same bits on every CPU that runs it, whatever its vector width (every lane performs the same
+IEEE operations); otherwise the same seed on the same device type and library build gives the
+same bits, and different device types (CPU vs CUDA) or BLAS builds differ by rounding, around
+1e-7 relative.
 """
 
 from __future__ import annotations
@@ -140,6 +143,16 @@ def _gaussian_torch(k: int, half: int, *, seed: int, device) -> torch.Tensor:
     return g
 
 
+def _gaussian_accelerator(k: int, r: int, *, seed: int, device: torch.device) -> torch.Tensor:
+    """``G`` on a non-CPU device: the Triton kernel where :mod:`rgc.dispatch` picks Triton
+    (CUDA with Triton installed; the CPU's bits), else torch's log/cos/sin."""
+    from rgc import dispatch, kernels
+
+    if dispatch.implementation_for(torch.empty(0, device=device)) == "triton":
+        return kernels.gaussian_matrix(k, r, seed=seed, device=device)
+    return _gaussian_torch(k, (r + 1) // 2, seed=seed, device=device)[:, :r]
+
+
 def gaussian_matrix(k: int, r: int, *, seed: int, device=None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """``G`` (k x r, FP32, on ``device``): the Box-Muller Gaussians described above.
@@ -155,11 +168,11 @@ def gaussian_matrix(k: int, r: int, *, seed: int, device=None,
     if out is None:
         device = torch.device("cpu") if device is None else torch.device(device)
         if device.type != "cpu":
-            return _gaussian_torch(k, half, seed=seed, device=device)[:, :r]
+            return _gaussian_accelerator(k, r, seed=seed, device=device)
         out = torch.empty(k, 2 * half, dtype=torch.float32)
     if out.device.type != "cpu":
-        out[:, :2 * half] = _gaussian_torch(k, half, seed=seed, device=out.device)
-        out[:, 2 * half:] = 0
+        out[:, :r] = _gaussian_accelerator(k, r, seed=seed, device=out.device)
+        out[:, r:] = 0
         return out[:, :r]
     lib = _native.library()
     if lib is not None:

@@ -6,6 +6,8 @@ in Triton's interpreter: set ``TRITON_INTERPRET=1`` before the first kernel call
 
 * :func:`stochastic_round` / :func:`stochastic_round_`: FP32 -> BF16, bit-identical with
   :func:`rgc.stochastic_round` for the same seed and offset.
+* :func:`gaussian_matrix`: the Box-Muller ``G`` of :mod:`rgc.projection` in one launch,
+  bit-identical with the CPU's for the same seed.
 * :func:`lowrank_update_`: ``W <- W - coef * C P^T`` with ``C P^T`` formed tile by tile on
   chip (never written to memory) and one stochastically rounded store, using the same bits;
   the same pass can return ``||W_new||_F^2``, and ``coef`` may be a device tensor.
@@ -22,7 +24,7 @@ import os
 
 import torch
 
-__all__ = ["lowrank_update_", "stochastic_round", "stochastic_round_"]
+__all__ = ["gaussian_matrix", "lowrank_update_", "stochastic_round", "stochastic_round_"]
 
 
 def _backend():
@@ -90,6 +92,23 @@ def stochastic_round(x: torch.Tensor, *, seed: int, offset: int = 0) -> torch.Te
     """Kernel twin of :func:`rgc.stochastic_round`: a new BF16 tensor of ``x``'s shape."""
     out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     return stochastic_round_(out, x, seed=seed, offset=offset)
+
+
+def gaussian_matrix(k: int, r: int, *, seed: int, device) -> torch.Tensor:
+    """Kernel twin of :func:`rgc.projection.gaussian_matrix`: ``G`` (k x r FP32) on ``device``.
+
+    One launch that performs the CPU definition's float32 operations one by one (no fused
+    multiply-add, IEEE division and square root), so ``G`` has the CPU's bits. ``G`` is a view
+    of a k x 2 ceil(r/2) buffer (the last column dropped when r is odd).
+    """
+    half = (r + 1) // 2
+    if 2 * k * half >= 1 << 32:
+        raise ValueError(f"a {k} x {r} projection is too large (2 k ceil(r/2) >= 2**32)")
+    g = torch.empty(k, 2 * half, dtype=torch.float32, device=device)
+    _check_device(g)
+    if g.numel():
+        _backend().gaussian_triton(g, k, half, seed=int(seed))
+    return g[:, :r]
 
 
 def _coef_tensor(coef, device: torch.device) -> torch.Tensor:

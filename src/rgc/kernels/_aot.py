@@ -170,6 +170,14 @@ def rounding_cases():
         yield f"rounding, {name}", K.stochastic_round_launches(out, x, seed=0, offset=offset)
 
 
+def gaussian_cases():
+    """``(case name, launches)`` of the Gaussian kernel (P refresh), even and odd rank."""
+    for name, k, r in [("r=64", 4096, 64), ("odd r", 1000, 37)]:
+        half = (r + 1) // 2
+        g = torch.zeros(k, 2 * half)
+        yield f"gaussian, {name}", K.gaussian_launches(g, k, half, seed=0)
+
+
 def _short(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "BF16", torch.float32: "FP32"}[dtype]
 
@@ -191,7 +199,7 @@ def supported_archs(archs=ARCHS) -> list[int]:
 def all_usage(archs=ARCHS) -> list[Usage]:
     """Compile every launch of every case for every architecture; one :class:`Usage` each."""
     rows = []
-    cases = list(update_cases()) + list(rounding_cases())
+    cases = list(update_cases()) + list(rounding_cases()) + list(gaussian_cases())
     for arch in archs:
         seen = set()
         for case, launches in cases:

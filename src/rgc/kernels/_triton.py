@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from rgc._native import BOX_MULLER_CONSTANTS
 from rgc.rounding import MIX32_MUL1, MIX32_MUL2, seed_words
 
 try:
@@ -72,6 +74,71 @@ def _stochastic_round_kernel(x_ptr, out_ptr, numel, off_lo, off_hi, s_lo, s_hi,
     out = _round_bf16(x, n.to(tl.uint32), (n >> 32).to(tl.uint32), s_lo.to(tl.uint32),
                       s_hi.to(tl.uint32))
     tl.store(out_ptr + idx, out, mask=mask)
+
+
+# The float32 constants of rgc.projection's CPU Box-Muller (exact in float32, so the kernel
+# uses the same values), and the bit pattern of float32(sqrt(2)).
+_BM = {name: tl.constexpr(float(np.float32(v))) for name, v in BOX_MULLER_CONSTANTS.items()}
+_SQRT2_BITS = tl.constexpr(int(np.float32(BOX_MULLER_CONSTANTS["SQRT2"]).view(np.uint32)))
+_L1, _L2, _L3, _L4, _LN2 = (_BM[n] for n in ("L1", "L2", "L3", "L4", "LN2"))
+_S1, _S2, _S3, _S4, _S5, _S6 = (_BM[f"S{j}"] for j in range(1, 7))
+_C1, _C2, _C3, _C4, _C5, _C6, _C7 = (_BM[f"C{j}"] for j in range(1, 8))
+_XSTEP = _BM["XSTEP"]
+
+
+@triton.jit(do_not_specialize=["s_lo", "s_hi"])
+def _gaussian_kernel(g_ptr, k, h, ldg, s_lo, s_hi, BLOCK: tl.constexpr):
+    """Box-Muller pairs ``m = i h + c`` of ``G`` (rows ``ldg`` apart): the operations of
+    ``rgc_gaussian`` in :mod:`rgc._native`, one by one. Launched with fused multiply-adds off,
+    and with IEEE division and square root, every value has the CPU's bits."""
+    m = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    pairs = k.to(tl.int64) * h
+    mask = m < pairs
+    s_lo = s_lo.to(tl.uint32)
+    s_hi = s_hi.to(tl.uint32)
+    m32 = m.to(tl.uint32)
+    w0 = _mix32(_mix32(m32 ^ s_lo) ^ s_hi) >> 8
+    w1 = _mix32(_mix32((pairs.to(tl.uint32) + m32) ^ s_lo) ^ s_hi) >> 8
+    # -2 ln u, u = (w0 + 1) 2^-24 = 2^(e - 24) f, f in [sqrt(1/2), sqrt(2))
+    nb = (w0 + 1).to(tl.int32).to(tl.float32).to(tl.uint32, bitcast=True)
+    e = (nb >> 23).to(tl.int32) - 127
+    fb = (nb & 0x007FFFFF) | 0x3F800000
+    big = fb > _SQRT2_BITS
+    fb = tl.where(big, fb - 0x00800000, fb)
+    e = e + big.to(tl.int32)
+    f = fb.to(tl.float32, bitcast=True)
+    s = tl.div_rn(f - 1.0, f + 1.0)
+    z = s * s
+    p = _L4 * z + _L3
+    p = p * z + _L2
+    p = p * z + _L1
+    p = p * z + 1.0
+    ln_u = (e - 24).to(tl.float32) * _LN2 + (2.0 * s) * p
+    rho = tl.sqrt_rn(-2.0 * ln_u)
+    # angle: quadrant q and x in [0, pi/2)
+    q = w1 >> 22
+    x = (w1 & 0x3FFFFF).to(tl.int32).to(tl.float32) * _XSTEP
+    y = x * x
+    sp = _S6 * y + _S5
+    sp = sp * y + _S4
+    sp = sp * y + _S3
+    sp = sp * y + _S2
+    sp = sp * y + _S1
+    sp = sp * y + 1.0
+    sn = x * sp
+    cs = _C7 * y + _C6
+    cs = cs * y + _C5
+    cs = cs * y + _C4
+    cs = cs * y + _C3
+    cs = cs * y + _C2
+    cs = cs * y + _C1
+    cs = cs * y + 1.0
+    cq = tl.where(q == 0, cs, tl.where(q == 1, -sn, tl.where(q == 2, -cs, sn)))
+    sq = tl.where(q == 0, sn, tl.where(q == 1, cs, tl.where(q == 2, -sn, -cs)))
+    i = m // h
+    row = g_ptr + i * ldg + (m - i * h)
+    tl.store(row, rho * cq, mask=mask)
+    tl.store(row + h, rho * sq, mask=mask)
 
 
 @triton.jit
@@ -212,6 +279,22 @@ def stochastic_round_triton(out: torch.Tensor, x: torch.Tensor, *, seed: int,
         return
     for kernel, grid, args, kwargs in stochastic_round_launches(out, x, seed=seed,
                                                                 offset=offset):
+        kernel[grid](*args, **kwargs)
+
+
+GAUSSIAN_BLOCK = 1024
+
+
+def gaussian_launches(g: torch.Tensor, k: int, half: int, *, seed: int) -> list[tuple]:
+    """The launch of the Gaussian kernel on ``g`` (k x >= 2 half FP32, unit column stride)."""
+    grid = (triton.cdiv(k * half, GAUSSIAN_BLOCK),)
+    s_lo, s_hi = (_int32(w) for w in seed_words(seed, "projection-gaussian"))
+    return [(_gaussian_kernel, grid, (g, k, half, g.stride(0), s_lo, s_hi),
+             dict(BLOCK=GAUSSIAN_BLOCK, num_warps=4, enable_fp_fusion=False))]
+
+
+def gaussian_triton(g: torch.Tensor, k: int, half: int, *, seed: int) -> None:
+    for kernel, grid, args, kwargs in gaussian_launches(g, k, half, seed=seed):
         kernel[grid](*args, **kwargs)
 
 
