@@ -10,7 +10,7 @@ a fourth row times only the regeneration of every layer's P (what refresh='every
 AdamW gets the same BF16 weights with BF16 gradients (its state in BF16, as torch keeps it),
 and FP32 weights with FP32 gradients.
 Timings are medians over interleaved repetitions, the order of the methods rotated at each one;
-the ratio is what to read. The default clock
+the ratios (medians of the ratios within each repetition) are what to read. The default clock
 is the CPU time of the calling thread (every method runs on it with one torch thread), which a
 machine shared with other jobs disturbs far less than wall time; ``--clock wall`` for wall time.
 
@@ -158,7 +158,7 @@ def run(args) -> list[dict]:
     times = {name: [] for name in runs}
     # Interleaved, so drifting machine load hits every method. Each RGC row runs right after an
     # AdamW step, which streams far more than the caches hold: both rows use the same layers,
-    # and the one run right after the other found them in cache (7% faster). The order is
+    # and the one run right after the other found them in cache (up to 10% faster). The order is
     # rotated at each repetition, so no method always runs first.
     names = ["adamw foreach, bf16 params", "rgc (P refreshed every step)",
              "adamw foreach, fp32 params", "rgc (P fixed)", "of which: rebuild GEMMs only",
@@ -167,6 +167,7 @@ def run(args) -> list[dict]:
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
             times[name].append(runs[name]())
+
     def ratio(name, reference):  # median over repetitions of the ratio within each one
         return statistics.median(a / b for a, b in zip(times[name], times[reference]))
 
