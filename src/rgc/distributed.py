@@ -402,16 +402,20 @@ class DistributedRGCOptimizer(RGCOptimizer):
             slots = _replicated_slots([p for _, p, _ in entries])
             self.last_comm_bytes += _all_reduce_mean(slots, self._group, self._bucket_bytes)
         sharded = [(i, p, g) for i, p, g in entries if isinstance(p, DTensor) and p.requires_grad]
-        if sharded:
-            self._step_sharded(sharded)
-        for index, p, group in entries:
-            if isinstance(p, DTensor):
-                continue
-            layer = compressed_layer_of(p)
-            if layer is not None and layer.sketch is not None:
-                self._step_compressed(p, layer, group, index)
-            elif p.grad is not None:
-                self._step_dense(p, group, index)
+        self._deferred_refreshes = []  # as SketchOptimizer.step: projections after all updates
+        try:
+            if sharded:
+                self._step_sharded(sharded)
+            for index, p, group in entries:
+                if isinstance(p, DTensor):
+                    continue
+                layer = compressed_layer_of(p)
+                if layer is not None and layer.sketch is not None:
+                    self._step_compressed(p, layer, group, index)
+                elif p.grad is not None:
+                    self._step_dense(p, group, index)
+        finally:
+            self._run_deferred_refreshes()
         self.steps_taken += 1
         return loss
 
