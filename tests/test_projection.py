@@ -237,11 +237,12 @@ def _cholesky_qr(lib, g: torch.Tensor, dtype: torch.dtype) -> tuple[int, torch.T
 def test_compiled_orthonormal_has_the_same_bits_for_every_vector_width():
     # Every lane performs the same IEEE operations (fused multiply-adds included), so builds
     # for AVX-512, AVX2 and plain scalar code (where this CPU runs them) give the same bits.
-    builds = {"native": _native.library(), "scalar": _native._compile([()])}
+    builds = {"native": _native.library(), "scalar": _native._compile([()]),
+              "RGC_SCALAR": _native._compile([("-march=native", "-DRGC_SCALAR")])}
     flags = open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").exists() else ""
     if " avx2 " in flags and " fma " in flags:
         builds["avx2"] = _native._compile([("-mavx2", "-mfma", "-mno-avx512f")])
-    assert builds["scalar"] is not None
+    assert builds["scalar"] is not None and not builds["RGC_SCALAR"].fast_fma
     for k, r in [(40, 10), (300, 64), (77, 17)]:
         g = gaussian_matrix(k, r, seed=r)
         for dtype in (torch.float32, torch.bfloat16):

@@ -156,7 +156,7 @@ void rgc_round_bf16(const uint32_t *x, uint16_t *out, int64_t n, uint32_t lo0, u
    One SIMD type per instruction set; every lane computes the same IEEE operations (a fused
    multiply-add rounds once everywhere, fmaf/fma in the scalar build), so the vector width
    changes the speed, never the bits. */
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && !defined(RGC_SCALAR)
 #include <immintrin.h>
 typedef __m512 vf;
 typedef __m512d vd;
@@ -170,7 +170,7 @@ enum { VF = 16, VD = 8, GRAM_ROWS = 8, PROD_ROWS = 8, PROD_COLS = 32 };
 #define vd_set1 _mm512_set1_pd
 #define vd_fma _mm512_fmadd_pd
 #define vd_from_floats(p) _mm512_cvtps_pd(_mm256_loadu_ps(p))
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(RGC_SCALAR)
 #include <immintrin.h>
 typedef __m256 vf;
 typedef __m256d vd;
@@ -184,7 +184,7 @@ enum { VF = 8, VD = 4, GRAM_ROWS = 4, PROD_ROWS = 4, PROD_COLS = 16 };
 #define vd_set1 _mm256_set1_pd
 #define vd_fma _mm256_fmadd_pd
 #define vd_from_floats(p) _mm256_cvtps_pd(_mm_loadu_ps(p))
-#elif defined(__aarch64__)
+#elif defined(__aarch64__) && !defined(RGC_SCALAR)
 #include <arm_neon.h>
 typedef float32x4_t vf;
 typedef float64x2_t vd;
@@ -350,10 +350,11 @@ static void product(const float *g, int64_t k, int64_t r, int64_t ldg, const flo
     }
 }
 
-/* 1 when this build has hardware fused multiply-adds (without them, fmaf runs in software and
-   the CholeskyQR below is about 30x slower: rgc.projection then uses torch instead). */
+/* 1 when this build has vector code with hardware fused multiply-adds (without them, fmaf runs
+   in software and the CholeskyQR below is about 30x slower; with RGC_SCALAR it is scalar):
+   rgc.projection then uses torch instead. */
 int rgc_fast_fma(void) {
-#if defined(__FMA__) || defined(__AVX512F__) || defined(__aarch64__)
+#if (defined(__FMA__) || defined(__AVX512F__) || defined(__aarch64__)) && !defined(RGC_SCALAR)
     return 1;
 #else
     return 0;
@@ -423,7 +424,11 @@ def _compile(flag_sets=FLAG_SETS) -> ctypes.CDLL | None:
         # the speed, never the bits).
         base = [cc, "-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off",
                 "-fno-math-errno"]
-        for flags in flag_sets:
+        # Last resort: the CholeskyQR's vector code left out (RGC_SCALAR), so that a compiler
+        # refusing its intrinsics still gets the hash and rounding loops (the CholeskyQR then
+        # runs through torch, see rgc_fast_fma).
+        attempts = [*flag_sets, *[(*flags, "-DRGC_SCALAR") for flags in flag_sets]]
+        for flags in attempts:
             done = subprocess.run([*base, *flags, str(src), "-o", str(lib), "-lm"],
                                   capture_output=True, timeout=120)
             if done.returncode == 0:
