@@ -225,7 +225,7 @@ def _cholesky_qr(lib, g: torch.Tensor, dtype: torch.dtype) -> tuple[int, torch.T
     ld = -(-r // 16) * 16
     rows = torch.zeros(k, ld)
     rows[:, :r] = g
-    work = torch.zeros(5 * ld * ld + 18 * ld)
+    work = torch.zeros(_native.cholesky_qr_work_floats(r))
     out = torch.full((k, r), -7.0, dtype=dtype)
     status = lib.rgc_cholesky_qr(rows.data_ptr(), k, r, ld, int(dtype == torch.float32),
                                  math.sqrt(k / r), out.data_ptr(), int(dtype == torch.bfloat16),

@@ -401,6 +401,14 @@ def _c_constants() -> str:
         for name, v in BOX_MULLER_CONSTANTS.items())
 
 
+def cholesky_qr_work_floats(r: int) -> int:
+    """FP32 elements of the work space ``rgc_cholesky_qr`` needs at rank r: 2 ld^2 + ld
+    doubles, then r (ld + 16) floats, ld = r rounded up to 16 (an upper bound, at most
+    5 ld^2 + 18 ld)."""
+    ld = -(-r // 16) * 16
+    return 5 * ld * ld + 18 * ld
+
+
 _lock = threading.Lock()
 _state: dict = {}
 

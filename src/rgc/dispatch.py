@@ -35,6 +35,11 @@ def _triton_can_run(device: torch.device) -> bool:
 
 def implementation_for(tensor: torch.Tensor) -> str:
     """'triton' or 'torch' for an update of ``tensor``, honouring ``RGC_IMPL``."""
+    return implementation_for_device(tensor.device)
+
+
+def implementation_for_device(device: torch.device) -> str:
+    """'triton' or 'torch' for work on ``device``, honouring ``RGC_IMPL``."""
     forced = os.environ.get("RGC_IMPL", "").strip().lower()
     if forced:
         if forced not in IMPLEMENTATIONS:
@@ -43,12 +48,12 @@ def implementation_for(tensor: torch.Tensor) -> str:
             if not triton_available():
                 raise RuntimeError("RGC_IMPL=triton but Triton is not installed; "
                                    "pip install 'rgc-torch[triton]' or unset RGC_IMPL")
-            if not _triton_can_run(tensor.device):
+            if not _triton_can_run(device):
                 raise RuntimeError(
-                    f"RGC_IMPL=triton but the tensor is on {tensor.device}; Triton runs on CUDA "
+                    f"RGC_IMPL=triton but the tensor is on {device}; Triton runs on CUDA "
                     "devices, or on the CPU only under TRITON_INTERPRET=1")
         return forced
-    if tensor.device.type == "cuda" and triton_available():
+    if device.type == "cuda" and triton_available():
         return "triton"
     return "torch"
 

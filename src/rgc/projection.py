@@ -148,7 +148,7 @@ def _gaussian_accelerator(k: int, r: int, *, seed: int, device: torch.device) ->
     (CUDA with Triton installed; the CPU's bits), else torch's log/cos/sin."""
     from rgc import dispatch, kernels
 
-    if dispatch.implementation_for(torch.empty(0, device=device)) == "triton":
+    if dispatch.implementation_for_device(device) == "triton":
         return kernels.gaussian_matrix(k, r, seed=seed, device=device)
     return _gaussian_torch(k, (r + 1) // 2, seed=seed, device=device)[:, :r]
 
@@ -207,8 +207,8 @@ def _cpu_workspace(k: int, r: int) -> _CpuWorkspace:
     """
     views = getattr(_scratch, "views", None)
     if views is None or (k, r) not in views:
-        ldg, ld = _round_up16(2 * ((r + 1) // 2)), _round_up16(r)
-        numel = k * ldg + 5 * ld * ld + 18 * ld
+        ldg = _round_up16(2 * ((r + 1) // 2))
+        numel = k * ldg + _native.cholesky_qr_work_floats(r)
         buffer = getattr(_scratch, "buffer", None)
         if buffer is None or buffer.numel() < numel:
             _scratch.buffer = buffer = torch.empty(numel, dtype=torch.float32)
