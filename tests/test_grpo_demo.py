@@ -1,12 +1,15 @@
 """The GRPO demo's smoke run: the whole pipeline, not its accuracy (that is a recorded run)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("transformers")
@@ -28,41 +31,64 @@ def test_quick_run_writes_table_plot_and_json(tmp_path):
     cmd = [sys.executable, str(ROOT / "examples" / "grpo_arithmetic.py"), "--quick",
            "--no-progress", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "c"),
            "--compute", mode]
-    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    first = subprocess.run(cmd + ["--workers", "2"], env=env, capture_output=True, text=True,
+                           timeout=TIMEOUT)
     assert first.returncode == 0, first.stderr[-3000:]
     out = tmp_path / "out"
     assert f"results in {out}" in first.stdout
     assert f"compute mode: {'native' if mode == 'native' else 'float32 matmuls'}" in first.stdout
+    # The base's accuracy is printed before any GRPO run starts.
+    assert first.stdout.index("base policy") < first.stdout.index("GRPO:")
+    assert "target 0.000" in first.stdout
+    assert "Pooled over 2 GRPO seeds x 500 test questions" in first.stdout
     assert (out / "dev_accuracy.png").stat().st_size > 0
     result = json.loads((out / "results.json").read_text())
-    methods = result["results"][0]["methods"]
-    assert {"adamw", "lora", "rgc"} <= set(methods)
-    for m in methods.values():
-        assert 0.0 <= m["test_after"] <= 1.0
-        assert m["test_correct"].count("1") == round(500 * m["test_after"])
-        assert m["train_peak_bytes"] > 0 and m["loop_peak_bytes"] >= m["train_peak_bytes"]
-        assert m["extra_state_bytes"] > 0
-        assert len(m["dev_curve"]) >= 2
-    # RGC tried tau and 3 tau; the one kept is the better on dev.
-    rgc_runs = [r for r in result["results"][0]["runs"] if r["kind"] == "rgc"]
-    assert len(rgc_runs) == 2
-    assert methods["rgc"]["final_dev"] == max(r["final_dev"] for r in rgc_runs)
+    kinds = ["adamw", "adamw_proj", "lora", "rgc"]
+    assert [c["seed"] for c in result["chosen"]] == [0, 1]
+    for c in result["chosen"]:
+        assert list(c["methods"]) == kinds
+        for m in c["methods"].values():
+            assert 0.0 <= m["test_after"] <= 1.0
+            assert m["test_correct"].count("1") == round(500 * m["test_after"])
+            assert m["train_peak_bytes"] > 0 and m["loop_peak_bytes"] >= m["train_peak_bytes"]
+            assert m["extra_state_bytes"] > 0
+            assert len(m["dev_curve"]) >= 2
+    # Every method tried the same two rates on the first seed and kept the better on dev; the
+    # second seed ran each method once, at the rate the first seed chose.
+    first_seed, second_seed = result["chosen"]
+    for kind in kinds:
+        tried = [r for r in result["runs"] if r["kind"] == kind and r["seed"] == 0]
+        assert [r["mult"] for r in tried] == [1.0, 3.0]
+        assert first_seed["methods"][kind]["final_dev"] == max(r["final_dev"] for r in tried)
+        again = [r for r in result["runs"] if r["kind"] == kind and r["seed"] == 1]
+        assert [r["mult"] for r in again] == [first_seed["methods"][kind]["mult"]]
+    methods = first_seed["methods"]
     # Dense AdamW holds 12 bytes per parameter beyond the BF16 weights (FP32 master + moments),
-    # plus one scalar step count per tensor.
-    n = methods["adamw"]["trainable_params"]
-    assert 12 * n <= methods["adamw"]["extra_state_bytes"] < 12 * n + 1024
+    # plus one scalar step count per tensor; on the projections it trains RGC's weights.
+    for kind in ("adamw", "adamw_proj"):
+        n = methods[kind]["trainable_params"]
+        assert 12 * n <= methods[kind]["extra_state_bytes"] < 12 * n + 1024
+    assert methods["adamw_proj"]["trainable_params"] == methods["rgc"]["trainable_params"]
+    assert methods["adamw_proj"]["trainable_params"] < methods["adamw"]["trainable_params"]
     assert methods["rgc"]["train_peak_bytes"] < methods["adamw"]["train_peak_bytes"]
+    # The verdict: every method against the base, RGC against each other method, and the two
+    # trainable sets of dense AdamW; a per-seed and a pooled figure for each.
+    names = [v["comparison"] for v in result["verdict"]]
+    assert "RGC - dense AdamW" in names and "RGC - LoRA" in names
+    assert "dense AdamW, 7 projections - dense AdamW" in names
+    assert all(len(v["per_seed"]) == 2 and v["pooled"]["seeds"] == 2 for v in result["verdict"])
 
-    # Deterministic for a seed, and the cached base policy is reused.
+    # Deterministic for a seed whatever the number of workers, and the cached base is reused.
     (tmp_path / "out").rename(tmp_path / "first")
-    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    second = subprocess.run(cmd + ["--workers", "1"], env=env, capture_output=True, text=True,
+                            timeout=TIMEOUT)
     assert second.returncode == 0, second.stderr[-3000:]
     again = json.loads((out / "results.json").read_text())
     assert len(list((tmp_path / "c").iterdir())) == 1
-    for kind, m in methods.items():
-        m2 = again["results"][0]["methods"][kind]
-        assert m2["test_after"] == m["test_after"] and m2["dev_curve"] == m["dev_curve"]
-        assert m2["train_peak_bytes"] == m["train_peak_bytes"]
+    for r1, r2 in zip(result["runs"], again["runs"], strict=True):
+        assert (r2["label"], r2["seed"]) == (r1["label"], r1["seed"])
+        assert r2["test_correct"] == r1["test_correct"] and r2["dev_curve"] == r1["dev_curve"]
+        assert r2["train_peak_bytes"] == r1["train_peak_bytes"]
 
 
 def _import_demo():
@@ -115,6 +141,155 @@ def test_mcnemar_exact_p_and_bootstrap_interval():
     sd = float((after - before).double().std())
     assert s["ci_low"] == pytest.approx(8.0 - 196 * sd / 10, abs=1.0)
     assert s["ci_high"] == pytest.approx(8.0 + 196 * sd / 10, abs=1.0)
+
+
+def _mcnemar_log_space(b: int, c: int) -> float:
+    """2 P(Bin(b + c, 1/2) <= min(b, c)), summed in log space with lgamma (no big integers)."""
+    n, k = b + c, min(b, c)
+    logs = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) - n * math.log(2)
+            for i in range(k + 1)]
+    top = max(logs)
+    return min(1.0, 2 * math.exp(top) * math.fsum(math.exp(v - top) for v in logs))
+
+
+def _discordant(b: int, c: int, same: int):
+    torch = pytest.importorskip("torch")
+    before = torch.tensor([1.0] * b + [0.0] * c + [1.0] * same)
+    after = torch.tensor([0.0] * b + [1.0] * c + [1.0] * same)
+    return before, after
+
+
+@settings(max_examples=60, deadline=None)
+@given(b=st.integers(0, 4000), c=st.integers(0, 4000))
+def test_mcnemar_exact_for_any_number_of_discordant_pairs(b, c):
+    grpo = _import_demo()
+    p = grpo.stats.mcnemar_p(*_discordant(b, c, 7))
+    if b + c <= 1000:  # small enough for the plain formula in floating point
+        plain = min(1.0, 2 * sum(math.comb(b + c, i) for i in range(min(b, c) + 1))
+                    / 2.0 ** (b + c)) if b + c else 1.0
+        assert p == pytest.approx(plain, rel=1e-12)
+    reference = _mcnemar_log_space(b, c) if b + c else 1.0
+    if reference > 1e-300:
+        assert p == pytest.approx(reference, rel=1e-9)
+    else:  # below the smallest normal double: both read as (next to) zero
+        assert p < 1e-290
+
+
+def test_mcnemar_past_the_float_exponent_range():
+    grpo = _import_demo()
+    # 2,000 and 2,100 discordant questions: 2 ** 4100 is no float, the p-value is.
+    p = grpo.stats.mcnemar_p(*_discordant(2000, 2100, 0))
+    assert p == pytest.approx(_mcnemar_log_space(2000, 2100), rel=1e-9)
+    assert 0.01 < p < 0.5
+    assert grpo.stats.mcnemar_p(*_discordant(3000, 3000, 5)) == 1.0
+
+
+def _additive(s: int, n: int, rng):
+    """(S, n) differences seed effect + question effect, and the two centred effects.
+
+    The question effects take three values (as 0/1 correctness differences do), so that the
+    bootstrap's draws over distinct columns stay few and fast.
+    """
+    seed_eff = rng.normal(0.0, 0.05, s)
+    q_eff = rng.choice([-0.6, 0.0, 0.6], n)
+    diffs = 0.3 + seed_eff[:, None] + q_eff[None, :]
+    return diffs, seed_eff - seed_eff.mean(), q_eff - q_eff.mean()
+
+
+def _sd_from_interval(stat: dict) -> float:
+    return (stat["ci_high"] - stat["ci_low"]) / 100 / (2 * 1.959964)
+
+
+def test_bootstrap_over_crossed_seeds_and_questions_has_the_known_spread():
+    grpo = _import_demo()
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(1)
+    diffs, seed_eff, q_eff = _additive(30, 300, rng)
+    # Additive cells: the resampled mean is the grand mean + the mean of the drawn seed effects
+    # + the mean of the drawn question effects, two independent draws; its variance is exactly
+    # mean(seed_eff^2) / S + mean(q_eff^2) / n (centred effects, population variances).
+    crossed = math.sqrt((seed_eff ** 2).mean() / 30 + (q_eff ** 2).mean() / 300)
+    stat = grpo.stats.seeds_and_questions_bootstrap(diffs, shared_questions=True, seed=0,
+                                                    resamples=20000)
+    assert stat["diff_points"] == pytest.approx(100 * diffs.mean(), rel=1e-12)
+    assert _sd_from_interval(stat) == pytest.approx(crossed, rel=0.05)
+    centre = (stat["ci_low"] + stat["ci_high"]) / 200
+    assert abs(centre - diffs.mean()) < 0.1 * crossed
+    # Drawing questions afresh per seed would count the question effect S times too small:
+    # mean(seed_eff^2) / S + mean(q_eff^2) / (n S), here a third of the spread.
+    nested = math.sqrt((seed_eff ** 2).mean() / 30 + (q_eff ** 2).mean() / (300 * 30))
+    stat = grpo.stats.seeds_and_questions_bootstrap(diffs, shared_questions=False, seed=0,
+                                                    resamples=20000)
+    assert _sd_from_interval(stat) == pytest.approx(nested, rel=0.05)
+    assert nested < 0.4 * crossed
+
+
+def test_bootstrap_over_seeds_then_their_own_questions_has_the_known_spread():
+    grpo = _import_demo()
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(2)
+    s, n = 25, 200
+    diffs = rng.normal(0.0, 0.1, (s, 1)) + rng.choice([-1.0, 0.0, 1.0], (s, n), p=[.2, .5, .3])
+    # Each slot draws a seed uniformly, then n of its questions: the slot's mean has variance
+    # var(seed means) + mean(within-seed variance) / n; the overall mean averages S slots.
+    means, within = diffs.mean(1), diffs.var(1)
+    expect = math.sqrt((((means - means.mean()) ** 2).mean() + within.mean() / n) / s)
+    stat = grpo.stats.seeds_and_questions_bootstrap(diffs, shared_questions=False, seed=3,
+                                                    resamples=20000)
+    assert _sd_from_interval(stat) == pytest.approx(expect, rel=0.05)
+
+
+def test_bootstrap_over_one_seed_is_the_question_bootstrap():
+    grpo = _import_demo()
+    torch = pytest.importorskip("torch")
+    before, after = _discordant(300, 600, 3000)
+    n = before.numel()
+    one = grpo.stats.paired_difference(before, after, seed=0)
+    both = grpo.stats.seeds_and_questions_bootstrap((after - before).numpy()[None], seed=1,
+                                                    shared_questions=True)
+    assert both["diff_points"] == pytest.approx(one["diff_points"])
+    # Same resampling scheme, independent draws: the limits agree to Monte Carlo error (a
+    # quantile of 10,000 resamples moves by about 0.03 sd) and the grid of means (steps 1/n).
+    sd = float((after - before).double().std()) / math.sqrt(n)
+    for end in ("ci_low", "ci_high"):
+        assert both[end] == pytest.approx(one[end], abs=100 * (0.15 * sd + 2 / n))
+    with pytest.raises(ValueError, match="seeds, questions"):
+        grpo.stats.seeds_and_questions_bootstrap(torch.zeros(5).numpy(), seed=0,
+                                                 shared_questions=True)
+
+
+def _tiny_warm_start(tmp_path, **warm):
+    grpo = _import_demo()
+    from grpo.task import make_splits
+    config = grpo.model.ModelConfig(hidden=16, layers=1, heads=2, kv_heads=1, intermediate=32)
+    train, dev, _ = make_splits(0, 300, 16, 0)
+    return lambda: grpo.model.warm_start(config, grpo.model.WarmStart(**warm), train, dev, 0,
+                                         tmp_path, progress=False)
+
+
+def test_warm_start_below_its_target_raises_and_saves_nothing(tmp_path):
+    grpo = _import_demo()
+    run = _tiny_warm_start(tmp_path, max_steps=3, check_every=2, target_dev=0.9)
+    with pytest.raises(grpo.model.WarmStartError) as err:
+        run()
+    message = str(err.value)
+    assert "cap of 3 steps" in message and "target 0.900" in message
+    assert "best 0.000 at step" in message and "GRPO did not start" in message
+    assert "--base-seed" in message and "max_steps" in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cached_base_below_its_target_is_refused(tmp_path):
+    grpo = _import_demo()
+    from safetensors.torch import save_file
+    run = _tiny_warm_start(tmp_path, max_steps=2, check_every=2, target_dev=0.0)
+    state, path, info = run()
+    assert info == {"warm_start_steps": 2.0, "dev_accuracy": 0.0}
+    assert run()[1] == path  # loaded from the cache
+    # A file recording a dev accuracy below the target (as older versions could save).
+    save_file(state, path, metadata={"warm_start_steps": "2", "dev_accuracy": "-0.5"})
+    with pytest.raises(grpo.model.WarmStartError, match="records dev accuracy -0.500"):
+        run()
 
 
 def test_tracker_counts_live_tensor_bytes():

@@ -23,6 +23,7 @@ class Method:
     """Base: a BF16 policy loaded from the base weights; subclasses add the optimizer."""
 
     kind = ""
+    name = ""  # in tables
 
     def __init__(self, base_state: dict, model_config: ModelConfig, *, lr: float, rank: int,
                  seed: int, steps: int):
@@ -62,10 +63,15 @@ class DenseAdamW(Method):
     """
 
     kind = "adamw"
+    name = "dense AdamW"
+    targets: list[str] | None = None  # None: every parameter; else these Linear names only
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.params = list(self.policy.parameters())
+        if self.targets is not None:
+            for name, p in self.policy.named_parameters():  # "...layers.0.self_attn.q_proj.weight"
+                p.requires_grad_(name.split(".")[-2] in self.targets and name.endswith("weight"))
+        self.params = [p for p in self.policy.parameters() if p.requires_grad]
         self.master = [torch.nn.Parameter(p.detach().float()) for p in self.params]
         self.opt = torch.optim.AdamW(self.master, lr=self.lr, weight_decay=0.0)
 
@@ -86,10 +92,26 @@ class DenseAdamW(Method):
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
+class DenseAdamWProjections(DenseAdamW):
+    """Dense AdamW on the seven projection weights only: the trainable set of RGC and LoRA.
+
+    Embeddings, norms and the output head stay frozen (no gradient, no master, no moments).
+    """
+
+    kind = "adamw_proj"
+    name = "dense AdamW, 7 projections"
+    targets = TARGETS
+
+    @property
+    def label(self):
+        return f"adamw 7 projections lr={self.lr:.3g}"
+
+
 class LoRA(Method):
     """peft LoRA (rank r, alpha 2r, no dropout) on the same targets; FP32 adapters, AdamW."""
 
     kind = "lora"
+    name = "LoRA"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -123,6 +145,7 @@ class RGC(Method):
     """
 
     kind = "rgc"
+    name = "RGC"
 
     def __init__(self, *args, tau_scale: float = 1.0, **kwargs):
         super().__init__(*args, **kwargs)
@@ -155,6 +178,7 @@ class RowAdam(Method):
     """
 
     kind = "rowadam"
+    name = "RowAdam + predicted KL"
     probe = 16
 
     def __init__(self, *args, **kwargs):
@@ -184,5 +208,5 @@ class RowAdam(Method):
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
-METHODS: dict[str, type[Method]] = {"adamw": DenseAdamW, "lora": LoRA, "rgc": RGC,
-                                     "rowadam": RowAdam}
+METHODS: dict[str, type[Method]] = {"adamw": DenseAdamW, "adamw_proj": DenseAdamWProjections,
+                                     "lora": LoRA, "rgc": RGC, "rowadam": RowAdam}

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from grpo.task import EOS, MAX_ANSWER_LEN, PAD, PROMPT_LEN, VOCAB_SIZE, answer_ids, prompt_ids
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -42,8 +43,10 @@ class WarmStart:
     """Supervised warm start with dense AdamW (FP32), stopped once the base is good enough.
 
     Trains on the training questions at a constant ``lr`` (after a linear warm-up) and stops at
-    the first check where greedy dev accuracy reaches ``target_dev`` (or after ``max_steps``):
-    a base clearly below the ceiling, so that the GRPO methods have room to differ.
+    the first check where greedy dev accuracy reaches ``target_dev``: a base clearly below the
+    ceiling, so that the GRPO methods have room to differ. ``max_steps`` is a cap, not a
+    stopping rule: a warm start that reaches it below the target raises
+    :class:`WarmStartError` and saves nothing, so GRPO never starts from a broken base.
     """
     max_steps: int = 3000
     target_dev: float = 0.4
@@ -51,6 +54,10 @@ class WarmStart:
     batch: int = 64
     lr: float = 2e-3
     warmup: int = 50
+
+
+class WarmStartError(RuntimeError):
+    """The warm start reached its step cap with dev accuracy below its target."""
 
 
 def answer_logprobs(model, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
@@ -69,24 +76,34 @@ def response_mask(responses: torch.Tensor) -> torch.Tensor:
 
 def warm_start(model_config: ModelConfig, warm: WarmStart, train, dev, seed: int,
                cache_dir: Path, progress: bool = True,
-               compute: rgc.compute.ComputeMode | None = None) -> tuple[dict, Path]:
-    """The base policy's BF16 state_dict, trained once and then loaded from ``cache_dir``.
+               compute: rgc.compute.ComputeMode | None = None) -> tuple[dict, Path, dict]:
+    """The base policy's BF16 state_dict, its file, and how it was made (steps, dev accuracy).
 
-    Training is in FP32; the dev checks decode the BF16 copy in the ``compute`` mode (the
-    GRPO phase's). The cache key hashes every setting that changes the result (model, warm
-    start, seed, questions, torch/transformers versions, and the compute mode if not native).
+    Trained once, then loaded from ``cache_dir``. Training is in FP32; the dev checks decode
+    the BF16 copy in the ``compute`` mode (the GRPO phase's). The cache key hashes every
+    setting that changes the result (model, warm start, seed, questions, torch/transformers
+    versions, and the compute mode if not native). Raises :class:`WarmStartError` if
+    ``warm.max_steps`` pass without a dev check reaching ``warm.target_dev``, or if a cached
+    file records a dev accuracy below it.
     """
     settings = {"model": asdict(model_config), "warm": asdict(warm), "seed": seed,
                 "train": [(q.a, q.b, q.op) for q in train],
                 "dev": [(q.a, q.b, q.op) for q in dev],
-                "torch": torch.__version__, "transformers": transformers.__version__}
+                "torch": torch.__version__, "transformers": transformers.__version__,
+                "format": 2}  # 2: the file records its dev accuracy, checked on load
     if compute is not None and compute.dtype is not None:
         settings["compute"] = compute.name
     key = json.dumps(settings, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"base-{digest}.safetensors"
     if path.exists():
-        return load_file(path), path
+        with safe_open(path, "pt") as f:
+            info = {k: float(v) for k, v in f.metadata().items()}
+        if info["dev_accuracy"] < warm.target_dev:
+            raise WarmStartError(f"the cached base policy {path} records dev accuracy "
+                                 f"{info['dev_accuracy']:.3f}, below the target "
+                                 f"{warm.target_dev:.3f}; delete it and rerun")
+        return load_file(path), path, info
 
     from grpo.rollout import accuracy
     from tqdm import tqdm
@@ -96,6 +113,7 @@ def warm_start(model_config: ModelConfig, warm: WarmStart, train, dev, seed: int
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm.warmup))
     gen = torch.Generator().manual_seed(seed)
     prompts_all, answers_all = prompt_ids(train), answer_ids(train)
+    checks = []  # (step, dev accuracy, loss)
     bar = tqdm(range(1, warm.max_steps + 1), desc="warm start (dense AdamW, SFT)",
                disable=not progress, leave=False)
     for step in bar:
@@ -107,17 +125,30 @@ def warm_start(model_config: ModelConfig, warm: WarmStart, train, dev, seed: int
         loss.backward()
         opt.step()
         sched.step()
-        if step % warm.check_every == 0:
+        if step % warm.check_every == 0 or step == warm.max_steps:
             # Greedy decoding of the BF16 copy: the base exactly as GRPO will start from it.
-            state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+            state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
             base = model_config.build(seed)
             base.load_state_dict(state)
             rgc.compute.use_compute_dtype(base, compute)
-            dev_acc = float(accuracy(base, dev).mean())
-            bar.set_postfix(loss=f"{loss.item():.3f}", dev=f"{dev_acc:.3f}")
-            if dev_acc >= warm.target_dev:
+            checks.append((step, float(accuracy(base, dev).mean()), loss.item()))
+            bar.set_postfix(loss=f"{checks[-1][2]:.3f}", dev=f"{checks[-1][1]:.3f}")
+            if checks[-1][1] >= warm.target_dev:
                 break
-    state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    if not checks or checks[-1][1] < warm.target_dev:
+        raise WarmStartError(_not_reached(warm, seed, checks))
+    info = {"warm_start_steps": float(step), "dev_accuracy": checks[-1][1]}
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(state, path, metadata={"warm_start_steps": str(step)})
-    return state, path
+    save_file(state, path, metadata={k: repr(v) for k, v in info.items()})
+    return state, path, info
+
+
+def _not_reached(warm: WarmStart, seed: int, checks: list[tuple[int, float, float]]) -> str:
+    best = max(checks, key=lambda c: c[1], default=(0, float("nan"), float("nan")))
+    last = checks[-1] if checks else best
+    return (f"the warm start (seed {seed}) ran its cap of {warm.max_steps} steps without "
+            f"reaching the dev accuracy target {warm.target_dev:.3f}: best {best[1]:.3f} at "
+            f"step {best[0]}, last {last[1]:.3f} (training loss {last[2]:.3f}); no base policy "
+            "was saved and GRPO did not start. Try another base seed (--base-seed), or in "
+            "the preset a larger WarmStart.max_steps, a smaller WarmStart.lr (a loss that "
+            "stalls or rises) or a lower target_dev.")
