@@ -51,12 +51,46 @@ PRESETS = {
 }
 
 
+def write_results(out: Path, record: dict) -> None:
+    """results.md, results.json and dev_accuracy.png in ``out``, from one experiment's record.
+
+    record: ``preset`` (name), ``settings`` (the preset as plain data), ``env``, and what
+    :func:`run_experiment` returned; the verdict and tables are (re)computed from it.
+    """
+    settings, timing = record["settings"], record["timing"]
+    rows, judged = seed_rows(record), verdict(record)
+    table = markdown_table(rows)
+    vtable = markdown_table(verdict_table(judged, settings["seeds"]))
+    summary = verdict_lines(judged, record)
+    notes = [f"preset `{record['preset']}`: GRPO seeds {list(settings['seeds'])}, base seed "
+             f"{settings['base_seed']}; methods {', '.join(settings['methods'])}; every method "
+             f"tries {list(settings['multipliers'])} x its rate, chosen on dev "
+             + ("on the first seed" if settings["selection"] == "first_seed" else "on each seed"),
+             f"time: {timing['wall_s']:.0f} s wall ({timing['warm_start_and_base_eval_s']:.0f} s "
+             f"warm start or cache load and base evaluation), {timing['cpu_s']:.0f} s CPU, "
+             f"{timing['workers']} worker(s)"]
+    env_lines = "\n".join(f"- {k}: {v}" for k, v in record["env"].items())
+    (out / "results.md").write_text(
+        f"# GRPO on arithmetic ({record['preset']})\n\n## Verdict\n\n{summary[0]}\n\n"
+        + "\n".join(f"- {line.strip()}" for line in summary[1:])
+        + f"\n\n{vtable}\n\n## Every seed\n\n{table}\n\n"
+        + "\n".join(f"- {n}" for n in notes)
+        + f"\n\n![dev accuracy](dev_accuracy.png)\n\n## Environment\n\n{env_lines}\n")
+    (out / "results.json").write_text(json.dumps(
+        {**record, "verdict": judged, "table": rows}, indent=1, default=str))
+    plot(record, out / "dev_accuracy.png")
+    print(table, vtable, "\n".join(notes), "\n".join(summary), sep="\n\n")
+    print(f"results in {out}")
+
+
 def main(argv=None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="smoke run, about a minute")
     size.add_argument("--full", action="store_true", help="5 seeds, rates chosen per seed, "
                       "RowAdam too")
+    size.add_argument("--report", type=Path, metavar="DIR",
+                      help="train nothing: rewrite DIR's tables and plot from its results.json")
     parser.add_argument("--seed", type=int, nargs="+", help="GRPO seeds; overrides the preset's")
     parser.add_argument("--base-seed", type=int,
                         help="seed of the base policy and of the questions (preset: 0)")
@@ -75,6 +109,9 @@ def main(argv=None) -> Path:
                              f"${rgc.compute.ENV_VAR} if set, else auto")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    if args.report:
+        write_results(args.report, json.loads((args.report / "results.json").read_text()))
+        return args.report
     torch.set_num_threads(args.threads)
     compute = rgc.compute.choose_compute_mode(override=args.compute)
     print(f"compute mode: {compute}", flush=True)
@@ -98,34 +135,10 @@ def main(argv=None) -> Path:
                                  progress=not args.no_progress, log=log)
     except WarmStartError as e:
         sys.exit(f"error: {e}")
-    rows = seed_rows(outcome)
-    judged = verdict(outcome)
-    seeds = list(preset.seeds)
-    table, vtable = markdown_table(rows), markdown_table(verdict_table(judged, seeds))
-    summary = verdict_lines(judged, outcome)
-    timing = outcome["timing"]
-    notes = [f"preset `{name}`: GRPO seeds {seeds}, base seed {preset.base_seed}; methods "
-             f"{', '.join(preset.methods)}; every method tries {list(preset.multipliers)} x "
-             f"its rate, chosen on dev "
-             + ("on the first seed" if preset.selection == "first_seed" else "on each seed"),
-             f"time: {timing['wall_s']:.0f} s wall ({timing['warm_start_and_base_eval_s']:.0f} s "
-             f"warm start or cache load and base evaluation), {timing['cpu_s']:.0f} s CPU, "
-             f"{timing['workers']} worker(s)"]
-    env = environment() | {"compute mode": str(compute)}
-    env_lines = "\n".join(f"- {k}: {v}" for k, v in env.items())
-    (out / "results.md").write_text(
-        f"# GRPO on arithmetic ({name})\n\n## Verdict\n\n" + "\n".join(summary)
-        + f"\n\n{vtable}\n\n## Every seed\n\n{table}\n\n"
-        + "\n".join(f"- {n}" for n in notes)
-        + f"\n\n![dev accuracy](dev_accuracy.png)\n\n## Environment\n\n{env_lines}\n")
     settings = {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v)
                 for k, v in vars(preset).items()}
-    (out / "results.json").write_text(json.dumps(
-        {"preset": name, "settings": settings, "env": env, **outcome, "verdict": judged,
-         "table": rows}, indent=1, default=str))
-    plot(outcome, out / "dev_accuracy.png")
-    print(table, vtable, "\n".join(notes), "\n".join(summary), sep="\n\n")
-    print(f"results in {out}")
+    env = environment() | {"compute mode": str(compute)}
+    write_results(out, {"preset": name, "settings": settings, "env": env, **outcome})
     return out
 
 

@@ -78,6 +78,12 @@ def test_quick_run_writes_table_plot_and_json(tmp_path):
     assert "dense AdamW, 7 projections - dense AdamW" in names
     assert all(len(v["per_seed"]) == 2 and v["pooled"]["seeds"] == 2 for v in result["verdict"])
 
+    # The tables can be rewritten from the JSON alone, to the same verdict.
+    report = subprocess.run(cmd[:2] + ["--report", str(out)], env=env, capture_output=True,
+                            text=True, timeout=TIMEOUT)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert json.loads((out / "results.json").read_text())["verdict"] == result["verdict"]
+
     # Deterministic for a seed whatever the number of workers, and the cached base is reused.
     (tmp_path / "out").rename(tmp_path / "first")
     second = subprocess.run(cmd + ["--workers", "1"], env=env, capture_output=True, text=True,
