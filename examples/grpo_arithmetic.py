@@ -66,9 +66,11 @@ def write_results(out: Path, record: dict) -> None:
              f"{settings['base_seed']}; methods {', '.join(settings['methods'])}; every method "
              f"tries {list(settings['multipliers'])} x its rate, chosen on dev "
              + ("on the first seed" if settings["selection"] == "first_seed" else "on each seed"),
-             f"time: {timing['wall_s']:.0f} s wall ({timing['warm_start_and_base_eval_s']:.0f} s "
-             f"warm start or cache load and base evaluation), {timing['cpu_s']:.0f} s CPU, "
-             f"{timing['workers']} worker(s)"]
+             f"time: {timing['wall_s']:.0f} s wall, {timing['cpu_s']:.0f} s CPU on "
+             f"{timing['workers']} worker(s); of which warm start (or cache load) and base "
+             f"evaluation {timing['warm_start_and_base_eval_s']:.0f} s wall"
+             + (f", {timing['warm_start_and_base_eval_cpu_s']:.0f} s CPU"
+                if "warm_start_and_base_eval_cpu_s" in timing else "")]
     env_lines = "\n".join(f"- {k}: {v}" for k, v in record["env"].items())
     (out / "results.md").write_text(
         f"# GRPO on arithmetic ({record['preset']})\n\n## Verdict\n\n{summary[0]}\n\n"

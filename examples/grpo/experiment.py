@@ -122,14 +122,15 @@ def _run_one(run: Run) -> dict:
     Every candidate is scored on test here (cheaper than sending policies back), but nothing
     reads a candidate's test result before the rates are chosen on dev.
     """
-    w, t0 = _worker, time.perf_counter()
+    w, t0, c0 = _worker, time.perf_counter(), time.process_time()
     ctx = w["ctx"]
     method = build_method(run, w["state"], ctx.preset, ctx.compute)
     result = run_grpo(method, w["train"], w["dev"], ctx.preset.grpo, seed=run.seed,
                       base_dev=ctx.base_dev, reference=w["reference"], progress=ctx.progress)
     test = accuracy(method.policy, w["test"])
     return {**result, "seed": run.seed, "mult": run.mult, "test_after": float(test.mean()),
-            "test_correct": bits(test), "wall_s": time.perf_counter() - t0}
+            "test_correct": bits(test), "wall_s": time.perf_counter() - t0,
+            "cpu_s": time.process_time() - c0}
 
 
 class _InProcess:
@@ -172,11 +173,12 @@ def run_all(preset: Preset, ctx: _Context, workers: int, log=print) -> list[dict
         futures = {executor.submit(_run_one, run): run for run in plan}
         while futures:
             done, _ = wait(futures, return_when=FIRST_COMPLETED)
-            for future in done:
+            for future in [f for f in futures if f in done]:  # in submission order
                 run = futures.pop(future)
                 results[run] = future.result()
-                log(f"  seed {run.seed} {results[run]['label']}: final dev "
-                    f"{results[run]['final_dev']:.3f} ({results[run]['wall_s']:.0f} s)")
+                r = results[run]
+                log(f"  seed {run.seed} {r['label']}: final dev {r['final_dev']:.3f} "
+                    f"({r['wall_s']:.0f} s, {r['cpu_s']:.0f} s CPU)")
                 if preset.selection == "first_seed" and run.seed == first:
                     waiting[run.kind] -= 1
                     if not waiting[run.kind]:  # this method's rate is chosen: run it on the rest
@@ -219,7 +221,7 @@ def run_experiment(preset: Preset, *, cache_dir: Path, compute: rgc.compute.Comp
     base.load_state_dict(state)
     rgc.compute.use_compute_dtype(base, compute)
     base_dev, base_test = float(accuracy(base, dev).mean()), accuracy(base, test)
-    t_warm = time.perf_counter() - t0
+    t_warm, c_warm = time.perf_counter() - t0, cpu_seconds() - c0
     log(f"base policy {path.name} (base seed {preset.base_seed}, "
         f"{made['warm_start_steps']:.0f} warm-start steps): dev {base_dev:.3f} "
         f"(target {preset.warm.target_dev:.3f}), test {float(base_test.mean()):.3f}")
@@ -239,6 +241,7 @@ def run_experiment(preset: Preset, *, cache_dir: Path, compute: rgc.compute.Comp
                      "test_correct": bits(base_test), "file": path.name, **made},
             "runs": runs, "chosen": chosen,
             "timing": {"warm_start_and_base_eval_s": t_warm,
+                       "warm_start_and_base_eval_cpu_s": c_warm,
                        "grpo_s": time.perf_counter() - t0 - t_warm,
                        "wall_s": time.perf_counter() - t0, "cpu_s": cpu_seconds() - c0,
                        "workers": workers, "cpu_count": os.cpu_count()}}
