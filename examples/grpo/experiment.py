@@ -171,22 +171,25 @@ def run_all(preset: Preset, ctx: _Context, workers: int, log=print) -> list[dict
         workers, mp_context=get_context("spawn"), initializer=_init_worker, initargs=(ctx,)))
     with executor:
         futures = {executor.submit(_run_one, run): run for run in plan}
-        while futures:
-            done, _ = wait(futures, return_when=FIRST_COMPLETED)
-            for future in [f for f in futures if f in done]:  # in submission order
-                run = futures.pop(future)
-                results[run] = future.result()
-                r = results[run]
-                log(f"  seed {run.seed} {r['label']}: final dev {r['final_dev']:.3f} "
-                    f"({r['wall_s']:.0f} s, {r['cpu_s']:.0f} s CPU)")
-                if preset.selection == "first_seed" and run.seed == first:
-                    waiting[run.kind] -= 1
-                    if not waiting[run.kind]:  # this method's rate is chosen: run it on the rest
-                        mult = choose([results[Run(run.kind, m, first)]
-                                       for m in preset.multipliers])["mult"]
-                        for s in rest:
-                            futures[executor.submit(_run_one, Run(run.kind, mult, s))] = \
-                                Run(run.kind, mult, s)
+        try:
+            while futures:
+                done, _ = wait(futures, return_when=FIRST_COMPLETED)
+                for future in [f for f in futures if f in done]:  # in submission order
+                    run = futures.pop(future)
+                    r = results[run] = future.result()
+                    log(f"  seed {run.seed} {r['label']}: final dev {r['final_dev']:.3f} "
+                        f"({r['wall_s']:.0f} s, {r['cpu_s']:.0f} s CPU)")
+                    if preset.selection == "first_seed" and run.seed == first:
+                        waiting[run.kind] -= 1
+                        if not waiting[run.kind]:  # its rate is chosen: run it on the rest
+                            mult = choose([results[Run(run.kind, m, first)]
+                                           for m in preset.multipliers])["mult"]
+                            for later in (Run(run.kind, mult, s) for s in rest):
+                                futures[executor.submit(_run_one, later)] = later
+        except BaseException:
+            for future in futures:  # do not wait for runs that have not started
+                future.cancel()
+            raise
     order = {k: i for i, k in enumerate(preset.methods)}
     return [results[r] for r in sorted(results, key=lambda r: (preset.seeds.index(r.seed),
                                                                  order[r.kind], r.mult))]
