@@ -102,17 +102,21 @@ def seed_rows(outcome: dict) -> list[dict]:
 
 
 def plot(outcome: dict, path: Path) -> None:
-    """Dev accuracy vs GRPO step, one panel per seed; runs not kept dotted, the base grey."""
+    """Dev accuracy vs GRPO step, one panel per seed (3 a row); runs not kept dotted, base grey."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     chosen = outcome["chosen"]
-    fig, axes = plt.subplots(1, len(chosen), figsize=(6 * len(chosen), 4.2), squeeze=False,
+    cols = min(3, len(chosen))
+    rows = -(-len(chosen) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.2 * rows), squeeze=False,
                              sharey=True)
+    for ax in axes.flat[len(chosen):]:
+        ax.set_visible(False)
     colors = {}
-    for ax, c in zip(axes[0], chosen, strict=True):
+    for ax, c in zip(axes.flat, chosen):
         kept = {m["label"] for m in c["methods"].values()}
         for run in (r for r in outcome["runs"] if r["seed"] == c["seed"]):
             color = colors.setdefault(run["kind"], f"C{len(colors)}")
@@ -124,7 +128,8 @@ def plot(outcome: dict, path: Path) -> None:
         ax.axhline(100 * outcome["base"]["dev"], color="grey", lw=0.8, label="base")
         ax.set(xlabel="GRPO step", title=f"seed {c['seed']}")
         ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("dev accuracy (%)")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("dev accuracy (%)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
