@@ -55,6 +55,12 @@ class WarmStart:
     lr: float = 2e-3
     warmup: int = 50
 
+    def __post_init__(self):
+        if self.max_steps < 1 or self.check_every < 1 or not 0.0 <= self.target_dev <= 1.0:
+            raise ValueError(f"WarmStart needs max_steps >= 1, check_every >= 1 and target_dev "
+                             f"in [0, 1], got {self.max_steps}, {self.check_every}, "
+                             f"{self.target_dev}")
+
 
 class WarmStartError(RuntimeError):
     """The warm start reached its step cap with dev accuracy below its target."""
