@@ -31,7 +31,11 @@ def _ci(s: dict) -> str:
 
 def verdict(outcome: dict, *, seed: int = 0) -> list[dict]:
     """One row per comparison: each seed's difference (points, 95% CI over questions, McNemar
-    p) and the pooled one (95% CI over seeds and questions). Rows ``X - base`` first."""
+    p) and the pooled one (95% CI over seeds and questions). Rows ``X - base`` first.
+
+    Each seed's bootstrap draws from that GRPO seed (as :func:`seed_rows` does, so the two
+    tables agree); the pooled bootstrap from ``seed``.
+    """
     chosen = outcome["chosen"]
     kinds = list(chosen[0]["methods"])
     base = unbits(outcome["base"]["test_correct"])
@@ -40,8 +44,8 @@ def verdict(outcome: dict, *, seed: int = 0) -> list[dict]:
     pairs = [(k, None) for k in kinds] + comparisons(kinds)
     for a, b in pairs:
         before = [base] * len(chosen) if b is None else correct[b]
-        per_seed = [paired_difference(x, y, seed=seed)
-                    for x, y in zip(before, correct[a], strict=True)]
+        per_seed = [paired_difference(x, y, seed=c["seed"])
+                    for x, y, c in zip(before, correct[a], chosen, strict=True)]
         diffs = np.stack([(y - x).double().numpy() for x, y in zip(before, correct[a],
                                                                   strict=True)])
         pooled = seeds_and_questions_bootstrap(diffs, shared_questions=True, seed=seed)
@@ -76,6 +80,8 @@ def verdict_lines(rows: list[dict], outcome: dict) -> list[str]:
     gains = [r for r in rows if r["b"] is None]
     lines.append("  gain over the base: " + "; ".join(
         f"{METHODS[r['a']].name} {r['pooled']['diff_points']:+.1f}" for r in gains) + " pts")
+    lines.append(f"  with {n_seeds} seeds, read each interval beside its per-seed range: when "
+                 "seeds disagree it covers less than 95% (docs/demo.md)")
     return lines
 
 
