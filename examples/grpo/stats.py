@@ -11,7 +11,7 @@ def mcnemar_p(before: torch.Tensor, after: torch.Tensor) -> float:
 
     ``2 P(Bin(n, 1/2) <= min(b, c))`` for b questions lost and c gained, in exact integer
     arithmetic: Python divides integers of any size with one correct rounding, so nothing
-    overflows however many questions changed (a p below 1e-308 reads 0.0).
+    overflows however many questions changed (a p below the smallest float, 5e-324, reads 0.0).
     """
     b = int(((before == 1) & (after == 0)).sum())
     c = int(((before == 0) & (after == 1)).sum())
