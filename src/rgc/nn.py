@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -10,10 +9,10 @@ import torch.nn as nn
 
 from rgc.autograd import SketchedLinearFunction, linear_in
 from rgc.guards import check_wrap_targets, install_step_guard, register_wrapped
-from rgc.projection import check_rank, make_projection
+from rgc.projection import check_rank
+from rgc.registry import SUPPORTED_WEIGHT_DTYPES, register_owner, sketched_owner_of
 from rgc.seeding import derive_seed
-
-SUPPORTED_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
+from rgc.sketched import SketchedWeight, check_refresh
 
 #: Default target names: the attention and MLP projections of Llama/Qwen/Mistral-style models
 #: and their common aliases (GPT-2/nanoGPT, GPT-NeoX, Falcon, original Llama/Mistral code).
@@ -25,64 +24,14 @@ DEFAULT_TARGETS = frozenset({
     "wq", "wk", "wv", "wo", "w1", "w2", "w3",
 })
 
-# id(weight) -> (weakref to weight, weakref to its CompressedLinear). Keyed by id because
-# tensors compare elementwise, which rules out a WeakKeyDictionary.
-_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-
-
-def _register_owner(weight: torch.Tensor, layer: CompressedLinear) -> None:
-    key = id(weight)
-    entry = _OWNERS.get(key)
-    if entry is not None and entry[0]() is weight and entry[1]() is layer:
-        return
-    _OWNERS[key] = (weakref.ref(weight, lambda _: _OWNERS.pop(key, None)), weakref.ref(layer))
-
 
 def compressed_layer_of(param: torch.Tensor) -> CompressedLinear | None:
     """The :class:`CompressedLinear` whose weight is ``param``, or ``None``."""
-    entry = _OWNERS.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]()
+    owner = sketched_owner_of(param)
+    return owner if isinstance(owner, CompressedLinear) else None
 
 
-def _check_refresh(refresh) -> None:
-    ok = refresh in ("every_step", "never") or (
-        isinstance(refresh, int) and not isinstance(refresh, bool) and refresh >= 1)
-    if not ok:
-        raise ValueError(
-            f"refresh must be 'every_step', 'never' or a positive int N (every N updates), "
-            f"got {refresh!r}")
-
-
-_ZEROS: dict[torch.device, torch.Tensor] = {}
-
-
-def _zero_scalar(device: torch.device) -> torch.Tensor:
-    """One FP32 zero per device, the storage behind every sketch slot (never written)."""
-    device = torch.device(device)
-    if device not in _ZEROS:
-        _ZEROS[device] = torch.zeros(1, dtype=torch.float32, device=device)
-    return _ZEROS[device]
-
-
-def _take_sketch(layer_ref: weakref.ref, slot: torch.Tensor) -> None:
-    """Move the gradient autograd accumulated on a sketch slot into ``layer.sketch``."""
-    grad, slot.grad = slot.grad, None
-    layer = layer_ref()
-    if layer is None:
-        return
-    if slot is not layer._sketch_slot:
-        raise RuntimeError(
-            "the projection of this CompressedLinear changed between forward and backward "
-            "(optimizer.step() ran in between); call backward before step()")
-    if layer.sketch is None:
-        layer.sketch = grad
-    else:
-        layer.sketch.add_(grad)
-
-
-class CompressedLinear(nn.Linear):
+class CompressedLinear(SketchedWeight, nn.Linear):
     """Drop-in ``nn.Linear`` whose weight is trained from a rank-``r`` gradient sketch.
 
     Same ``weight`` (d x k) and ``bias`` parameters and state_dict keys as ``nn.Linear``.
@@ -125,66 +74,20 @@ class CompressedLinear(nn.Linear):
 
     def _setup(self, rank: int, projection: str, refresh, seed: int) -> None:
         check_rank(projection, self.in_features, rank)
-        _check_refresh(refresh)
         if self.weight.dtype not in SUPPORTED_WEIGHT_DTYPES:
             raise TypeError(
                 f"CompressedLinear supports weights in {SUPPORTED_WEIGHT_DTYPES}, got "
                 f"{self.weight.dtype}; convert the model first, e.g. model.to(torch.bfloat16)")
-        self.rank = rank
-        self.projection_kind = projection
-        self.refresh = refresh
-        self.seed = int(seed)
-        self.projection_version = 0
-        self.sketch: torch.Tensor | None = None
+        self._setup_sketching(rank, projection, refresh, seed)
         self.compute_dtype: torch.dtype | None = None
         self.register_buffer("projection", self._make_projection(), persistent=False)
         self._new_sketch_slot()
-        _register_owner(self.weight, self)
+        self._register()
         install_step_guard()
 
-    def _make_projection(self) -> torch.Tensor:
-        return make_projection(
-            self.projection_kind, self.in_features, self.rank,
-            seed=self.projection_seed, device=self.weight.device, dtype=self.weight.dtype)
-
-    @property
-    def projection_seed(self) -> int:
-        """Seed of the current ``P``: a function of the layer seed and the version."""
-        return derive_seed(self.seed, self.projection_version)
-
-    def set_projection_version(self, version: int, *, renew_sketch_slot: bool = True) -> None:
-        """Regenerate ``P`` for ``version`` (in place, keeping the buffer).
-
-        A new sketch slot makes the backward of a forward run with the old ``P`` fail.
-        ``renew_sketch_slot=False`` leaves that to the caller (``_new_sketch_slot()``): an
-        optimizer renews every slot after all the projections of a step, since interleaved
-        with the regeneration the slots cost a CPU refresh about 10% more.
-        """
-        self.projection_version = int(version)
-        make_projection(self.projection_kind, self.in_features, self.rank,
-                        seed=self.projection_seed, out=self.projection)
-        if renew_sketch_slot:
-            self._new_sketch_slot()
-
-    def _new_sketch_slot(self) -> None:
-        """A fresh sketch slot: a d x r FP32 leaf with zero strides (no storage of its own).
-
-        The backward of :class:`SketchedLinearFunction` returns the sketch ``D^T (X P)`` as the
-        gradient of this leaf; autograd's accumulation (outside any compiled graph) hands it to
-        :meth:`_take_sketch`, which adds it to ``self.sketch``. A slot belongs to one
-        projection: it is replaced when ``P`` changes.
-        """
-        slot = _zero_scalar(self.weight.device).as_strided(
-            (self.out_features, self.rank), (0, 0)).requires_grad_(True)
-        layer_ref = weakref.ref(self)
-        slot.register_post_accumulate_grad_hook(lambda t: _take_sketch(layer_ref, t))
-        self._sketch_slot = slot
-
-    def zero_sketch(self, set_to_none: bool = True) -> None:
-        if set_to_none:
-            self.sketch = None
-        elif self.sketch is not None:
-            self.sketch.zero_()
+    def weight_matrices(self) -> torch.Tensor:
+        """The weight as a stack of one d x k matrix, ``[1, d, k]`` (a view)."""
+        return self.weight.unsqueeze(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.weight.requires_grad:
@@ -198,7 +101,7 @@ class CompressedLinear(nn.Linear):
         # DTensor and swaps the gathered weight in and out around forward) must keep
         # compressed_layer_of(param) working for whatever Parameter the optimizer was given.
         if name == "weight" and isinstance(value, torch.Tensor):
-            _register_owner(value, self)
+            register_owner(value, self)
 
     def __getstate__(self):
         state = super().__getstate__()
@@ -208,7 +111,7 @@ class CompressedLinear(nn.Linear):
     def __setstate__(self, state):
         state.setdefault("compute_dtype", None)
         super().__setstate__(state)
-        _register_owner(self.weight, self)
+        self._register()
         self._new_sketch_slot()
 
     def _apply(self, fn, recurse=True):
@@ -216,7 +119,7 @@ class CompressedLinear(nn.Linear):
         super()._apply(fn, recurse)
         # .to()/.cuda() may install new Parameter objects (overwrite-on-conversion mode) and
         # move the weight: keep the owner registry and the sketch slot's device in step.
-        _register_owner(self.weight, self)
+        self._register()
         slot = getattr(self, "_sketch_slot", None)
         if slot is not None and slot.device != self.weight.device:
             self._new_sketch_slot()
@@ -291,7 +194,7 @@ def wrap(model: nn.Module, rank: int, *, targets: Targets = None,
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     projection = PRESETS[preset]["projection"] if projection is None else projection
     refresh = PRESETS[preset]["refresh"] if refresh is None else refresh
-    _check_refresh(refresh)
+    check_refresh(refresh)
     linear_names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                            if isinstance(m, nn.Linear)})
     chosen = [(n, m) for n, m in model.named_modules() if n and _matches(targets, n, m)]

@@ -106,6 +106,9 @@ class SketchOptimizer(Optimizer):
     kept updates and counters.
     """
 
+    #: read by the global step guard (:mod:`rgc.guards`): this optimizer steps sketched weights
+    updates_sketched_weights = True
+
     def __init__(self, params, defaults: dict, *, step_control=None, keep_updates: bool = False):
         super().__init__(params, {"maximize": False, **defaults})
         if not any(p.requires_grad for g in self.param_groups for p in g["params"]):
