@@ -6,8 +6,8 @@ import math
 
 import torch.nn as nn
 
-from rgc import dispatch
 from rgc.nn import compressed_layers
+from rgc.updates import sum_squares
 
 
 def calibrate_lr(model: nn.Module, adamw_lr: float = 1e-6) -> float:
@@ -28,7 +28,7 @@ def calibrate_lr(model: nn.Module, adamw_lr: float = 1e-6) -> float:
     layers = compressed_layers(model)
     if not layers:
         raise ValueError("calibrate_lr needs a wrapped model; call rgc.wrap(model, rank) first")
-    sum_sq = sum(float(dispatch.frobenius_norm(layer.weight)) ** 2 for _, layer in layers)
+    sum_sq = sum(float(sum_squares(layer.weight).sqrt()) ** 2 for _, layer in layers)
     numel = sum(layer.weight.numel() for _, layer in layers)
     if sum_sq == 0.0:
         raise ValueError("the compressed weights are all zero; tau cannot be calibrated")

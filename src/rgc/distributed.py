@@ -37,12 +37,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim import Optimizer
 
-from rgc import dispatch
 from rgc.nn import CompressedLinear, compressed_layer_of
-from rgc.optim.base import group_lr, rounding_seed
-from rgc.optim.rgc import RGCOptimizer, normalized_coef
+from rgc.optim.base import Entry, group_lr, rounding_seed
+from rgc.optim.rgc import RGCOptimizer, normalized_coef, sqrt32
 from rgc.seeding import derive_seed
-from rgc.updates import apply_dense_update_
+from rgc.updates import apply_dense_update_, apply_lowrank_update_, sum_squares
 
 try:
     from torch.distributed.tensor import DTensor, Shard
@@ -343,7 +342,7 @@ class DistributedRGCOptimizer(RGCOptimizer):
       are reduce-scattered so that each rank holds the ``C`` rows of the weight rows it owns; the
       squared norms ``||W||^2``, ``||H||^2 = sum((C G) * C)`` with ``G = P^T P`` (r x r), and a
       non-finite count are summed with one all-reduce of three FP32 scalars per parameter; each
-      rank then updates its rows through ``rgc.dispatch.lowrank_update_`` with rounding offset
+      rank then updates its rows through ``rgc.ops.lowrank_update_`` with rounding offset
       ``first_row * k``, exactly the bits those rows get in the unsharded update. No rank forms
       more than ``chunk_rows x k`` of ``H`` (the kernel path none at all), nor a d x k gradient.
       Other trainable DTensor parameters use FSDP's averaged ``.grad`` with the same
@@ -395,31 +394,24 @@ class DistributedRGCOptimizer(RGCOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        entries = [(i, p, g) for i, (p, g) in enumerate(
-            (p, g) for g in self.param_groups for p in g["params"])]
+        params = [p for g in self.param_groups for p in g["params"]]
         self.last_comm_bytes = 0
         if _is_active(self._group):
-            slots = _replicated_slots([p for _, p, _ in entries])
-            self.last_comm_bytes += _all_reduce_mean(slots, self._group, self._bucket_bytes)
+            self.last_comm_bytes += _all_reduce_mean(_replicated_slots(params), self._group,
+                                                     self._bucket_bytes)
+        entries = [(i, p, g) for i, (p, g) in enumerate(
+            (p, g) for g in self.param_groups for p in g["params"])]
         sharded = [(i, p, g) for i, p, g in entries if isinstance(p, DTensor) and p.requires_grad]
-        self._deferred_refreshes = []  # as SketchOptimizer.step: projections after all updates
-        try:
-            if sharded:
-                self._step_sharded(sharded)
-            for index, p, group in entries:
-                if isinstance(p, DTensor):
-                    continue
-                layer = compressed_layer_of(p)
-                if layer is not None and layer.sketch is not None:
-                    self._step_compressed(p, layer, group, index)
-                elif p.grad is not None:
-                    self._step_dense(p, group, index)
-        finally:
-            self._run_deferred_refreshes()
+        stacks, dense = self._gather(exclude=lambda p: isinstance(p, DTensor))
+        finished = self._step_sharded(sharded) if sharded else []
+        self._step_entries((stacks, dense), None, None)
+        self._finish([finished])
         self.steps_taken += 1
         return loss
 
-    def _step_sharded(self, entries: list) -> None:
+    def _step_sharded(self, entries: list) -> list[Entry]:
+        """Update the local rows of every sharded parameter; returns the compressed ones'
+        entries, to be finished (sketch cleared, projection refreshed) with the others."""
         compressed = [(p, compressed_layer_of(p)) for _, p, _ in entries]
         compressed = [(p, layer) for p, layer in compressed if layer is not None]
         local, sent = _reduce_scatter_rows(compressed, self._mesh_group, self._bucket_bytes)
@@ -442,15 +434,16 @@ class DistributedRGCOptimizer(RGCOptimizer):
                 work.append((index, p, group, None, g_local, start))
             else:
                 continue
-            w_sq = dispatch.sum_squares(w_local, chunk_rows=group["chunk_rows"])
+            w_sq = sum_squares(w_local, chunk_rows=group["chunk_rows"])
             sums.append(torch.stack([w_sq, h2, bad.to(torch.float32)]))
         if not work:
-            return
+            return []
         totals = torch.stack(sums)
         dist.all_reduce(totals, group=self._mesh_group)
         self.last_comm_bytes += totals.numel() * totals.element_size()
         # FP32 square roots, as RGCOptimizer takes them; the coefficients stay on the device
-        norms = totals[:, :2].sqrt()
+        norms = sqrt32(totals[:, :2])
+        finished = []
         for row, (index, p, group, layer, local_value, start) in enumerate(work):
             state = self._init_state(p, layer)
             state["step"] += 1
@@ -465,13 +458,13 @@ class DistributedRGCOptimizer(RGCOptimizer):
             row_len = w_local[0].numel() if w_local.dim() > 1 else 1
             if layer is not None:
                 if w_local.shape[0]:
-                    dispatch.lowrank_update_(
+                    apply_lowrank_update_(
                         w_local, local_value, layer.projection, coef, seed=seed,
                         offset=start * row_len, chunk_rows=group["chunk_rows"],
                         stochastic_rounding=group["stochastic_rounding"])
+                finished.append(Entry(p, layer, group, state, seed))
             else:
                 apply_dense_update_(w_local, local_value, coef, seed=seed,
                                     offset=start * row_len,
                                     stochastic_rounding=group["stochastic_rounding"])
-            if layer is not None:
-                self._finish_layer(p, layer, state)
+        return finished

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from rgc import ops
 from rgc.optim.base import SketchOptimizer, check_common_args, group_lr
-from rgc.updates import DenseUpdate, LowRankUpdate
+from rgc.updates import DenseUpdate, StackUpdate
 
 
 def sketch_norm(sketch: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
@@ -13,16 +14,23 @@ def sketch_norm(sketch: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
 
     ``||H||_F^2 = trace(C (P^T P) C^T)``; C: d x r FP32, P: k x r.
     """
-    p = projection.to(torch.float32)
-    gram = p.t() @ p
-    return ((sketch @ gram) * sketch).sum().clamp_min(0).sqrt()
+    h2, _ = ops.sketch_stats([sketch.reshape(1, *sketch.shape[-2:])], [projection])
+    return sqrt32(h2[0, 0])
+
+
+def sqrt32(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded FP32 square root of FP32 ``x`` on every device (torch's CPU kernel
+    is not correctly rounded in its vector loop, so its bits would depend on the tensor's
+    size); through float64, whose 53 bits make the second rounding innocuous."""
+    return x.double().sqrt().to(torch.float32)
 
 
 def normalized_coef(weight_norm: torch.Tensor, direction_norm: torch.Tensor, lr,
                     ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(coef, active)`` on the device: ``coef = lr * ||W|| / ||H||`` where ``active``, else 0.
 
-    ``active = ok & (||H|| > 0) & (lr != 0)``; all 0-dim (FP32, bool), nothing read on the host.
+    ``active = ok & (||H|| > 0) & (lr != 0)``; tensors of one shape (FP32, bool) or 0-dim,
+    nothing read on the host.
     """
     active = ok & (direction_norm > 0) & (lr != 0)
     return torch.where(active, lr * weight_norm / direction_norm, 0.0), active
@@ -82,15 +90,18 @@ class RGCOptimizer(SketchOptimizer):
                         seed=seed, maximize=maximize)
         super().__init__(params, defaults, step_control=step_control, keep_updates=keep_updates)
 
-    def _propose_lowrank(self, p, layer, group, state, seed, ok) -> LowRankUpdate:
-        chunk_rows = group["chunk_rows"]
-        sq_norm = self._cached_sq_norm(p, state, chunk_rows)
-        coef, active = normalized_coef(sq_norm.sqrt(), sketch_norm(layer.sketch, layer.projection),
-                                       group_lr(group, p.device), ok)
+    def _propose_stack(self, entries, group) -> StackUpdate:
+        owners = [e.owner for e in entries]
+        sketches = [o.sketch_matrices() for o in owners]
+        h2, finite = ops.sketch_stats(sketches, [o.projection for o in owners])
+        self._count_skips(entries, finite)
+        w2 = self._weight_sq_norms(entries, group["chunk_rows"])
+        coefs, active = normalized_coef(sqrt32(w2), sqrt32(h2), group_lr(group, h2.device),
+                                        finite)
         if group["maximize"]:
-            coef = -coef
-        return LowRankUpdate(p, layer, layer.sketch, coef, 0.0, seed, chunk_rows,
-                             group["stochastic_rounding"], active, sq_norm_out=sq_norm)
+            coefs = -coefs
+        return self._stack_update(entries, group, sketches, coefs, None, active,
+                                  sq_norms=torch.empty_like(w2))
 
     def _propose_dense(self, p, group, state, seed, ok) -> DenseUpdate:
         coef, active = normalized_coef(p.to(torch.float32).norm(), p.grad.to(torch.float32).norm(),

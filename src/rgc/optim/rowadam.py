@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from rgc.nn import CompressedLinear
+from rgc import ops
 from rgc.optim.base import SketchOptimizer, check_common_args
-from rgc.updates import DenseUpdate, LowRankUpdate
+from rgc.updates import DenseUpdate, StackUpdate
 
 
 def check_adam_args(betas, eps, weight_decay) -> None:
@@ -52,7 +52,7 @@ class RowAdam(SketchOptimizer):
         W <- W (1 - lr * weight_decay) - lr * U P^T
 
     The weight decay is decoupled (AdamW-style) and, when non-zero, a separate rounded pass
-    over W. ``U P^T`` is rebuilt by :func:`rgc.dispatch.lowrank_update_` (never a d x k
+    over W. ``U P^T`` is rebuilt by :func:`rgc.ops.lowrank_update_` (never a d x k
     temporary beyond ``chunk_rows`` rows) with the rounding bits of :class:`rgc.RGCOptimizer`.
     Every element of ``U P^T`` has size about 1, so ``lr`` means what it means for Adam.
 
@@ -111,30 +111,42 @@ class RowAdam(SketchOptimizer):
 
     @staticmethod
     def _moments(state: dict, group: dict, grad: torch.Tensor, row_mean_square: bool,
-                 ok: torch.Tensor):
-        """Update ``exp_avg``/``exp_avg_sq`` from ``grad`` where ``ok`` (0-dim bool; the
-        moments are selected unchanged otherwise); return the Adam direction (not finite
-        when ``ok`` is false: its coefficient is then 0)."""
+                 ok: torch.Tensor, t: torch.Tensor, out: torch.Tensor | None = None):
+        """Update ``exp_avg``/``exp_avg_sq`` from ``grad`` where ``ok`` (the moments are
+        selected unchanged elsewhere); return the Adam direction (into ``out`` if given; not
+        finite where ``ok`` is false: its coefficient is then 0).
+
+        ``row_mean_square``: ``grad`` is a sketch ``[..., d, r]`` and ``exp_avg_sq`` holds one
+        value per row ``[..., d]``; ``ok`` and ``t`` (float64 applied-update counts) broadcast
+        over the leading dimensions.
+        """
         beta1, beta2 = group["betas"]
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(grad, dtype=torch.float32)
-            shape = grad.shape[:1] if row_mean_square else grad.shape
+            shape = grad.shape[:-1] if row_mean_square else grad.shape
             state["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=grad.device)
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        # applied updates, this one included when ok; float64 as Python's beta ** t was
-        t = (state["step"] - state["skipped"]).to(torch.float64)
         g = grad.to(torch.float32)
-        m.copy_(torch.where(ok, m.mul(beta1).add_(g, alpha=1.0 - beta1), m))
-        g2 = g.square().mean(dim=1) if row_mean_square else g.square()
-        v.copy_(torch.where(ok, v.mul(beta2).add_(g2, alpha=1.0 - beta2), v))
-        denom = (v / (1.0 - beta2 ** t)).sqrt_().add_(group["eps"])
+        lead = ok.dim()  # ok, t: 0-dim, or [E] for a stack of experts
+
+        def per(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # broadcast over like
+            return x.reshape(x.shape + (1,) * (like.dim() - lead))
+
+        m.copy_(torch.where(per(ok, m), m.mul(beta1).add_(g, alpha=1.0 - beta1), m))
+        g2 = g.square().mean(dim=-1) if row_mean_square else g.square()
+        v.copy_(torch.where(per(ok, v), v.mul(beta2).add_(g2, alpha=1.0 - beta2), v))
+        # bias corrections formed in float64 (as Python's beta ** t was) and used in FP32
+        correction1 = per((1.0 - beta1 ** t).to(torch.float32), m)
+        correction2 = per((1.0 - beta2 ** t).to(torch.float32), v)
+        denom = (v / correction2).sqrt_().add_(group["eps"])
         if row_mean_square:
-            denom = denom[:, None]
-        return (m / (1.0 - beta1 ** t)).div_(denom)
+            denom = denom[..., None]
+        return torch.div(m, correction1, out=out).div_(denom)
 
     @staticmethod
     def _coefs(group: dict, ok: torch.Tensor):
-        """``(coef, decay)``: ``lr`` and ``lr * weight_decay`` where ``ok``, else 0 (device).
+        """``(coef, decay)``: ``lr`` and ``lr * weight_decay`` where ``ok``, else 0 (device;
+        ``decay`` is ``None`` when ``weight_decay == 0``).
 
         A tensor ``lr`` gives the bits of the float: ``lr * weight_decay`` is formed in float64
         and rounded once to FP32, as Python's product is."""
@@ -145,24 +157,43 @@ class RowAdam(SketchOptimizer):
             lr = lr.to(torch.float32)
         else:
             decay = lr * wd
-        decay = torch.where(ok, decay, 0.0) if wd != 0.0 else 0.0
+        decay = torch.where(ok, decay, 0.0) if wd != 0.0 else None
         return torch.where(ok, lr, 0.0), decay
 
-    def _propose_lowrank(self, p, layer, group, state, seed, ok) -> LowRankUpdate:
-        sketch = -layer.sketch if group["maximize"] else layer.sketch
-        factor = self._moments(state, group, sketch, True, ok)
-        coef, decay = self._coefs(group, ok)
-        return LowRankUpdate(p, layer, factor, coef, decay, seed, group["chunk_rows"],
-                             group["stochastic_rounding"], ok)
+    def _propose_stack(self, entries, group) -> StackUpdate:
+        owners = [e.owner for e in entries]
+        sketches = [o.sketch_matrices() for o in owners]
+        h2, finite = ops.sketch_stats(sketches, [o.projection for o in owners])
+        self._count_skips(entries, finite)
+        ok_rows = []
+        for e, s in zip(entries, sketches, strict=True):
+            sketch = -s if group["maximize"] else s
+            if e.param.dim() == 2:  # t counts applied updates: step - skipped
+                ok = finite[len(ok_rows), 0]
+                t = (e.state["step"] - e.state["skipped"]).to(torch.float64)
+                self._moments(e.state, group, sketch[0], True, ok, t, out=s[0])
+                ok_rows.append(ok.reshape(1))
+            else:  # experts: an expert that received no token (zero sketch) is not updated
+                ok = finite[len(ok_rows)] & (h2[len(ok_rows)] > 0)
+                applied = e.state.setdefault(
+                    "expert_updates", torch.zeros(ok.shape, dtype=torch.int64, device=ok.device))
+                applied += ok
+                self._moments(e.state, group, sketch, True, ok, applied.to(torch.float64), out=s)
+                ok_rows.append(ok)
+        active = torch.stack(ok_rows)
+        coefs, decays = self._coefs(group, active)
+        return self._stack_update(entries, group, sketches, coefs, decays, active)
 
     def _propose_dense(self, p, group, state, seed, ok) -> DenseUpdate:
         grad = -p.grad if group["maximize"] else p.grad
-        direction = self._moments(state, group, grad, False, ok)
+        t = (state["step"] - state["skipped"]).to(torch.float64)
+        direction = self._moments(state, group, grad, False, ok, t)
         coef, decay = self._coefs(group, ok)
-        return DenseUpdate(p, direction, coef, decay, seed, group["stochastic_rounding"], ok)
+        return DenseUpdate(p, direction, coef, 0.0 if decay is None else decay, seed,
+                           group["stochastic_rounding"], ok)
 
-    def _refresh(self, p, layer: CompressedLinear, state: dict) -> None:
-        old = layer.projection.clone()
-        super()._refresh(p, layer, state)
-        if "exp_avg" in state:
-            state["exp_avg"] = carry_moment(state["exp_avg"], old, layer.projection)
+    def _refresh_projections(self, entries) -> None:
+        carried = [(e, e.owner.projection.clone()) for e in entries if "exp_avg" in e.state]
+        super()._refresh_projections(entries)
+        for e, old in carried:
+            e.state["exp_avg"] = carry_moment(e.state["exp_avg"], old, e.owner.projection)
