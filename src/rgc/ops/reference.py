@@ -67,7 +67,9 @@ def _round_words(out: torch.Tensor, x_bits: torch.Tensor, keys: torch.Tensor) ->
 def _compiled(fn):
     """``fn`` compiled for the CPU (all int32 tensors in and out: it vectorises), or ``fn``
     itself where torch.compile cannot run here (same bits, ~15x slower)."""
-    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+    # One thread: the loop is short (a chunk of 128 rows), and an OpenMP pool of its own beside
+    # torch's made the next LAPACK call wait ~10 ms for the other pool's spinning threads.
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.threads": 1})
 
     def run(*args):
         nonlocal compiled
@@ -153,27 +155,10 @@ def _polynomial(x: torch.Tensor, names: list[str]) -> torch.Tensor:
     return p * x + 1.0
 
 
-def gaussian_matrices(k: int, r: int, seeds: list[int], device) -> torch.Tensor:
-    """``G`` for each seed: ``[M, k, r]`` FP32 Box-Muller Gaussians (a view of ``[M, k, 2h]``).
-
-    With ``h = ceil(r/2)``, pair ``c`` of row ``i`` (``m = i h + c``) takes the words of indices
-    ``m`` and ``k h + m`` (label ``"projection-gaussian"``), ``a = w0 >> 8``, ``b = w1 >> 8``:
-    ``G[i, c] = rho cos(theta)``, ``G[i, h + c] = rho sin(theta)`` with ``rho = sqrt(-2 ln u)``,
-    ``u = (a + 1) 2^-24``, ``theta = 2 pi b 2^-24``, ``ln``/``cos``/``sin`` the float32
-    polynomials of :data:`BOX_MULLER_CONSTANTS` evaluated one IEEE operation at a time (the
-    Triton kernel performs the same operations: same bits).
-    """
-    device = torch.device(device)
-    h = (r + 1) // 2
-    pairs = k * h
-    if 2 * pairs >= 1 << 32:
-        raise ValueError(f"a {k} x {r} projection is too large (2 k ceil(r/2) >= 2**32)")
-    words = torch.stack([random_words(2 * pairs, s, GAUSSIAN_LABEL, 0, device)
-                         for s in seeds]) if seeds else torch.empty(0, 2 * pairs,
-                                                                    dtype=torch.int32,
-                                                                    device=device)
-    words = (words >> 8) & 0xFFFFFF
-    w0, w1 = words[:, :pairs], words[:, pairs:]
+def box_muller(w0: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rho cos(theta), rho sin(theta))`` (FP32) of 24-bit words ``w0``, ``w1`` (int32):
+    ``rho = sqrt(-2 ln u)``, ``u = (w0 + 1) 2^-24``, ``theta = 2 pi w1 2^-24``, with the float32
+    polynomials of :data:`BOX_MULLER_CONSTANTS` evaluated one IEEE operation at a time."""
     # -2 ln u, u = (w0 + 1) 2^-24 = 2^(e - 24) f with f in [sqrt(1/2), sqrt(2))
     nb = (w0 + 1).to(torch.float32).view(torch.int32)
     e = (nb >> 23) - 127
@@ -197,8 +182,29 @@ def gaussian_matrices(k: int, r: int, seeds: list[int], device) -> torch.Tensor:
     cs = _polynomial(y, ["C7", "C6", "C5", "C4", "C3", "C2", "C1"])
     cos_q = torch.where(q == 0, cs, torch.where(q == 1, -sn, torch.where(q == 2, -cs, sn)))
     sin_q = torch.where(q == 0, sn, torch.where(q == 1, cs, torch.where(q == 2, -sn, -cs)))
-    g = torch.cat([(rho * cos_q).view(-1, k, h), (rho * sin_q).view(-1, k, h)], dim=2)
-    return g[:, :, :r]
+    return rho * cos_q, rho * sin_q
+
+
+def gaussian_matrices(k: int, r: int, seeds: list[int], device) -> torch.Tensor:
+    """``G`` for each seed: ``[M, k, r]`` FP32 Box-Muller Gaussians (a view of ``[M, k, 2h]``).
+
+    With ``h = ceil(r/2)``, pair ``c`` of row ``i`` (``m = i h + c``) takes the words of indices
+    ``m`` and ``k h + m`` (label ``"projection-gaussian"``) shifted right by 8:
+    ``G[i, c], G[i, h + c] = box_muller(w0, w1)``. Elementwise, so a seed's ``G`` does not
+    depend on the other seeds of the batch; the Triton kernel performs the same operations.
+    """
+    device = torch.device(device)
+    h = (r + 1) // 2
+    pairs = k * h
+    if 2 * pairs >= 1 << 32:
+        raise ValueError(f"a {k} x {r} projection is too large (2 k ceil(r/2) >= 2**32)")
+    words = torch.stack([random_words(2 * pairs, s, GAUSSIAN_LABEL, 0, device)
+                         for s in seeds]) if seeds else torch.empty(0, 2 * pairs,
+                                                                    dtype=torch.int32,
+                                                                    device=device)
+    words = (words >> 8) & 0xFFFFFF
+    cos, sin = box_muller(words[:, :pairs], words[:, pairs:])
+    return torch.cat([cos.view(-1, k, h), sin.view(-1, k, h)], dim=2)[:, :, :r]
 
 
 def orthonormalize(g: torch.Tensor, scale: float, gram_fp64: bool) -> torch.Tensor:
@@ -206,22 +212,29 @@ def orthonormalize(g: torch.Tensor, scale: float, gram_fp64: bool) -> torch.Tens
 
     g: ``[M, k, r]`` FP32, k >= r, full column rank. For ``k >= 4 r`` one CholeskyQR pass:
     ``R`` from the Gram ``g^T g`` (float64 if ``gram_fp64``, else FP32), ``g (scale R^-1)`` in
-    FP32; returns FP32. Otherwise shifted CholeskyQR3 in float64 (returns float64).
+    FP32; returns FP32. Otherwise shifted CholeskyQR3 in float64 (returns float64). Matrix by
+    matrix with 2-D products, so a matrix's bits do not depend on the batch it is in.
     """
-    m, k, r = g.shape
+    k, r = g.shape[1:]
+    return torch.stack([_orthonormalize_one(x, scale, gram_fp64) for x in g]) if len(g) else (
+        torch.empty(g.shape, dtype=torch.float32 if k >= 4 * r else torch.float64,
+                    device=g.device))
+
+
+def _orthonormalize_one(g: torch.Tensor, scale: float, gram_fp64: bool) -> torch.Tensor:
+    k, r = g.shape
     if k >= 4 * r:
         gw = g.double() if gram_fp64 else g
-        inverse = _scaled_inverse_cholesky(gw.transpose(1, 2) @ gw, scale)
+        inverse = _scaled_inverse_cholesky(gw.t() @ gw, scale)
         return g @ inverse.to(g.dtype)
     q = g.double()
     for i in range(3):
-        gram = q.transpose(1, 2) @ q
+        gram = q.t() @ q
         if i == 0:
             # Fukaya et al. (2020): shift 11 (k r + r (r + 1)) u ||G||_F^2, which keeps the
             # Cholesky factorisation of a nearly singular Gram defined.
             unit = torch.finfo(torch.float64).eps / 2
-            trace = gram.diagonal(dim1=1, dim2=2).sum(-1, keepdim=True)
-            gram.diagonal(dim1=1, dim2=2).add_(trace * (11 * (k * r + r * (r + 1)) * unit))
+            gram.diagonal().add_(gram.diagonal().sum() * (11 * (k * r + r * (r + 1)) * unit))
         q = q @ _scaled_inverse_cholesky(gram, scale if i == 2 else 1.0)
     return q
 
@@ -234,7 +247,7 @@ def _scaled_inverse_cholesky(gram: torch.Tensor, scale: float) -> torch.Tensor:
     solve was 10x slower than the product on the CPU."""
     upper, _ = torch.linalg.cholesky_ex(gram, upper=True)
     eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device).mul_(scale)
-    return torch.linalg.solve_triangular(upper, eye.expand_as(gram), upper=True)
+    return torch.linalg.solve_triangular(upper, eye, upper=True)
 
 
 # -- the update and the norms ---------------------------------------------------------------
