@@ -32,8 +32,6 @@ because the law of ``P`` is invariant under signed permutations of its rows.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from rgc import ops
@@ -63,21 +61,12 @@ def gaussian_matrix(k: int, r: int, *, seed: int, device=None) -> torch.Tensor:
 
 
 def projections(kind: str, k: int, r: int, seeds: list[int], *, device, dtype) -> torch.Tensor:
-    """``[M, k, r]``: the projection of each seed, in ``dtype`` on ``device`` (batched: one
-    Gaussian launch and one orthonormalisation for all seeds)."""
+    """``[M, k, r]``: the projection of each seed, in ``dtype`` on ``device`` (one
+    :func:`rgc.ops.make_projections_` call for all seeds)."""
     check_rank(kind, k, r)
-    device = torch.device(device)
-    if kind == "rademacher":
-        words = torch.stack([ops.random_words(k * r, s, "projection-rademacher", 0, device)
-                             for s in seeds]) if seeds else torch.empty(0, k * r, device=device)
-        magnitude = torch.tensor(1.0 / math.sqrt(r), dtype=dtype, device=device)
-        return torch.where(words.view(-1, k, r) < 0, -magnitude, magnitude)
-    g = ops.gaussian_matrices(k, r, list(seeds), device)
-    if kind == "gaussian":
-        return torch.div(g, math.sqrt(r)).to(dtype)
-    # Rounding to BF16 (relative 2**-9) swamps the ~1e-5 error of an FP32 Gram.
-    q = ops.orthonormalize(g, math.sqrt(k / r), dtype != torch.bfloat16)
-    return q.to(dtype)
+    out = torch.empty(len(seeds), k, r, dtype=dtype, device=device)
+    ops.make_projections_(list(out.unbind(0)), kind, list(seeds))
+    return out
 
 
 def make_projection(
@@ -119,25 +108,23 @@ def make_projection(
             raise ValueError(f"out must be a floating-point {in_features} x {rank} tensor, got "
                              f"{tuple(out.shape)} {out.dtype}")
         device, dtype = out.device, out.dtype
-    device = torch.device("cpu") if device is None else torch.device(device)
-    p = projections(kind, in_features, rank, [seed], device=device,
-                    dtype=dtype or torch.float32)[0]
-    return p if out is None else out.copy_(p)
+    if out is None:
+        out = torch.empty(in_features, rank, dtype=dtype or torch.float32, device=device)
+    ops.make_projections_([out], kind, [seed])
+    return out
 
 
 def advance_projections(owners: list) -> None:
     """Move every owner (a :class:`rgc.sketched.SketchedWeight`) to its next projection
-    version, regenerating ``P`` in place: one batched :func:`projections` per (kind, k, r,
-    dtype, device), written into the owners' buffers with one grouped copy. The caller renews
-    the owners' sketch slots."""
+    version, regenerating ``P`` in its buffer: one :func:`rgc.ops.make_projections_` call per
+    (kind, k, r, device). The caller renews the owners' sketch slots."""
     groups: dict[tuple, list] = {}
     for owner in owners:
         p = owner.projection
-        key = (owner.projection_kind, owner.in_features, owner.rank, p.dtype, p.device)
+        key = (owner.projection_kind, owner.in_features, owner.rank, p.device)
         groups.setdefault(key, []).append(owner)
-    for (kind, k, r, dtype, device), members in groups.items():
+    for (kind, *_), members in groups.items():
         for owner in members:
             owner.projection_version += 1
-        new = projections(kind, k, r, [o.projection_seed for o in members], device=device,
-                          dtype=dtype)
-        torch._foreach_copy_([o.projection for o in members], list(new.unbind(0)))
+        ops.make_projections_([o.projection for o in members], kind,
+                              [o.projection_seed for o in members])

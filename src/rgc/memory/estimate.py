@@ -335,15 +335,27 @@ def _activations(arch: Architecture, mode: str, rank: int, n: int, seq_len: int,
     return total, 2 * 4 * n * V
 
 
-def _refresh_temp(k: int, r: int, weight_itemsize: int = 2) -> int:
-    # rgc.projection on an accelerator, measured: G (4k * 2ceil(r/2)) and G R^-1 (4kr) beside
-    # the r x r factors (BF16 P, k >= 4r); G, its float64 copy and G R^-1 (FP32 P); float64
-    # CholeskyQR3 (k < 4r). On the CPU, G and the work space live in a reused per-thread buffer.
+#: Bytes per Box-Muller pair of the reference path's temporaries while it generates G
+#: (measured), over at most ``rgc.ops.reference.GAUSSIAN_BLOCK`` pairs at a time.
+BOX_MULLER_BYTES_PER_PAIR = 29
+GAUSSIAN_BLOCK = 1 << 15
+
+
+def _refresh_temp(k: int, r: int, weight_itemsize: int = 2, implementation: str = "torch") -> int:
+    # G (4k * 2ceil(r/2)) while it is generated (the reference's Box-Muller temporaries beside
+    # it), then G and G R^-1 (4kr) beside the r x r factors (BF16 P, k >= 4r); G, its float64
+    # copy and G R^-1 (FP32 P); float64 CholeskyQR3 (k < 4r).
+    h = (r + 1) // 2
+    g = 8 * k * h
+    generating = g + (0 if implementation == "triton" else
+                      BOX_MULLER_BYTES_PER_PAIR * min(k * h, GAUSSIAN_BLOCK // h * h))
     if k < 4 * r:
-        return 20 * k * r + 16 * r * r + 8
-    if weight_itemsize == 2:
-        return 8 * k * ((r + 1) // 2) + 4 * k * r + 4 * r * r
-    return 16 * k * r + 12 * r * r
+        factoring = 20 * k * r + 16 * r * r + 8
+    elif weight_itemsize == 2:
+        factoring = g + 4 * k * r + 4 * r * r
+    else:
+        factoring = 16 * k * r + 12 * r * r
+    return max(generating, factoring)
 
 
 def _update_temp(d: int, k: int, r: int, chunk_rows: int, implementation: str) -> int:
@@ -353,35 +365,42 @@ def _update_temp(d: int, k: int, r: int, chunk_rows: int, implementation: str) -
     return 4 * k * r + min(chunk_rows, d) * (k * UPDATE_BYTES_PER_CHUNK_ELEMENT + 4 * r)
 
 
+def _norm_temp(d: int, k: int, r: int) -> int:
+    # ||C P^T||^2 and finiteness (rgc.ops.sketch_stats): P in FP32, its Gram, C P^T P
+    return 4 * k * r + 4 * d * r + 4 * r * r
+
+
 def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
                          implementation: str = "torch", weight_itemsize: int = 2) -> int:
     """Largest transient of one RGCOptimizer update of a d x k weight at rank r, in bytes.
 
-    The largest of: the finiteness check of C (7dr); ``||H||`` from the Gram matrix (an FP32
-    copy of P, C P^T P and its product with C: 4kr + 8dr + 4r^2); ``||W||`` over row chunks
-    (8 bytes per chunk element); the update (4kr plus
+    The largest of: ``||H||`` from the Gram matrix and the finiteness of C (an FP32 copy of P,
+    the Gram and C P^T P, multiplied by C in place: 4kr + 4dr + 4r^2); ``||W||`` over row
+    chunks (8 bytes per chunk element); the update (4kr plus
     :data:`UPDATE_BYTES_PER_CHUNK_ELEMENT` per chunk element); regenerating P after the step
     (about 8kr for BF16 weights, 16kr for FP32, 20kr when k < 4r).
     """
     return UPDATE_SCALAR_BYTES + max(
-        7 * d * r, 4 * k * r + 8 * d * r + 4 * r * r, 8 * min(chunk_rows, d) * k,
-        _update_temp(d, k, r, chunk_rows, implementation), _refresh_temp(k, r, weight_itemsize))
+        _norm_temp(d, k, r), 8 * min(chunk_rows, d) * k,
+        _update_temp(d, k, r, chunk_rows, implementation),
+        _refresh_temp(k, r, weight_itemsize, implementation))
 
 
 def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
                              implementation: str = "torch", weight_itemsize: int = 2) -> int:
     """Largest transient of one RowAdam update of a d x k weight at rank r, in bytes.
 
-    The finiteness check (7dr) and the moment update (the new m, selected where the sketch is
-    finite: 8dr); then the direction U (4dr) stays live while the update runs
-    (as RGC's). After every update (U freed), with a copy of the old P (2kr), P is regenerated
+    The finiteness check and ``||C P^T||`` (as RGC's, which tell a skipped or, for experts, an
+    empty sketch), the moment update (the new m, selected where the sketch is finite: 8dr);
+    the direction U is written into the sketch, and the update runs as RGC's. After every
+    update, with a copy of the old P (2kr), P is regenerated
     (as RGC's) and m is carried into the new basis (float64 copies of both P and r x r
     products, 16kr + 16r^2, then the new m beside the old float64 P, 8kr + 12r^2 + 4dr).
     """
     carry = max(16 * k * r + 16 * r * r, 8 * k * r + 12 * r * r + 4 * d * r)
     return UPDATE_SCALAR_BYTES + max(
-        8 * d * r, 4 * d * r + _update_temp(d, k, r, chunk_rows, implementation),
-        2 * k * r + max(_refresh_temp(k, r, weight_itemsize), carry))
+        8 * d * r, _norm_temp(d, k, r), _update_temp(d, k, r, chunk_rows, implementation),
+        2 * k * r + max(_refresh_temp(k, r, weight_itemsize, implementation), carry))
 
 
 # -- compute mode (rgc.compute): FP32 matmuls on low-precision weights ----------------------

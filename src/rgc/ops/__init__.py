@@ -23,6 +23,7 @@ length: this is how an optimizer step's launches stay independent of the number 
 ``sketch_stats``         ``||C P^T||^2`` from the r x r Gram, and finiteness, per matrix
 ``gaussian_matrices``    the Box-Muller ``G`` of a projection, per seed
 ``orthonormalize``       CholeskyQR of ``G`` (the orthonormal projection)
+``make_projections_``    a projection per seed written into its buffer (the P refresh)
 =======================  ==============================================================
 """
 
@@ -32,14 +33,16 @@ import os
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rgc.ops import reference
 
 IMPLEMENTATIONS = ("torch", "triton")
 
-__all__ = ["IMPLEMENTATIONS", "gaussian_matrices", "implementation_for_device",
-           "lowrank_update_", "orthonormalize", "random_words", "sketch_stats",
-           "stochastic_round_", "sum_squares", "triton_available"]
+__all__ = ["IMPLEMENTATIONS", "gaussian_matrices", "implementation", "implementation_for_device",
+           "lowrank_update_", "make_projections_", "orthonormalize", "random_words",
+           "run_under_mode", "sketch_stats", "stochastic_round_", "sum_squares",
+           "triton_available"]
 
 
 @functools.cache
@@ -81,12 +84,37 @@ def _kernel(name: str, device: torch.device):
     return getattr(reference, name)
 
 
+_RUNNERS: dict[str, object] = {}
+
+
+def implementation(op) -> object:
+    """The Python function behind ``torch.ops.rgc.<name>`` (an OpOverload or packet): the
+    kernel choice and the kernel, run as plain torch code."""
+    return _RUNNERS[op.name().split("::")[-1].split(".")[0]]
+
+
+def run_under_mode(mode: TorchDispatchMode, op, args, kwargs):
+    """Run rgc operator ``op`` from ``mode.__torch_dispatch__`` with ``mode`` active inside it.
+
+    For dispatch modes that must see inside rgc's operators (the memory tracker, counters of
+    host reads or launches), which they would otherwise see as one opaque call. The mode is
+    pushed with the base class's ``__enter__``, so a subclass's own enter/exit logic does not
+    run again.
+    """
+    TorchDispatchMode.__enter__(mode)
+    try:
+        return implementation(op)(*args, **(kwargs or {}))
+    finally:
+        TorchDispatchMode.__exit__(mode, None, None, None)
+
+
 def _define(name: str, mutates_args, device_of):
     """Define ``rgc::name`` from its signature function (whose body is the fake
     implementation's) and register both kernels; ``device_of(*args)`` picks the device."""
     def decorate(signature):
         def run(*args):
             return _kernel(name, device_of(*args))(*args)
+        _RUNNERS[name] = run
         run.__signature__ = inspect.signature(signature)
         run.__annotations__ = signature.__annotations__
         run.__name__, run.__doc__ = name, signature.__doc__
@@ -150,6 +178,13 @@ def gaussian_matrices(k: int, r: int, seeds: list[int], device: torch.device) ->
     """Box-Muller ``G`` per seed, ``[M, k, r]`` FP32 (see
     :func:`rgc.ops.reference.gaussian_matrices`)."""
     return torch.empty(len(seeds), k, r, dtype=torch.float32, device=device)
+
+
+@_define("make_projections_", ("outs",), lambda outs, kind, seeds: _first(outs))
+def make_projections_(outs: list[Tensor], kind: str, seeds: list[int]) -> None:
+    """The projection of ``kind`` for ``seeds[m]`` written into ``outs[m]`` (k x r, any
+    float dtype); see :func:`rgc.ops.reference.make_projections_` and :mod:`rgc.projection`."""
+    return None
 
 
 @_define("orthonormalize", (), lambda g, scale, gram_fp64: g.device)

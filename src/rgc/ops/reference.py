@@ -20,6 +20,7 @@ import math
 import warnings
 
 import torch
+from torch.utils import _python_dispatch
 
 from rgc.rounding import MIX32_MUL1, MIX32_MUL2, seed_words
 
@@ -66,13 +67,21 @@ def _round_words(out: torch.Tensor, x_bits: torch.Tensor, keys: torch.Tensor) ->
 @functools.cache
 def _compiled(fn):
     """``fn`` compiled for the CPU (all int32 tensors in and out: it vectorises), or ``fn``
-    itself where torch.compile cannot run here (same bits, ~15x slower)."""
+    itself where torch.compile cannot run here (same bits, ~15x slower).
+
+    Under a dispatch mode (rgc's memory tracker, the tests' counters), which torch.compile
+    does not trace, ``fn`` runs eagerly with the modes switched off: as the compiled loop, it
+    is then one opaque computation that writes its output and allocates nothing seen.
+    """
     # One thread: the loop is short (a chunk of 128 rows), and an OpenMP pool of its own beside
     # torch's made the next LAPACK call wait ~10 ms for the other pool's spinning threads.
     compiled = torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.threads": 1})
 
     def run(*args):
         nonlocal compiled
+        if _python_dispatch._get_current_dispatch_mode() is not None:
+            with _python_dispatch._disable_current_modes():
+                return fn(*args)
         if compiled is not fn:
             try:
                 return compiled(*args)
@@ -119,13 +128,19 @@ def stochastic_round_(out: torch.Tensor, x: torch.Tensor, seed: int, offset: int
 
     out: BF16 of ``x``'s shape and device (any strides); x: floating point (made FP32 first).
     """
-    x_bits = x.detach().to(torch.float32).contiguous().view(-1).view(torch.int32)
-    words = torch.empty_like(x_bits)
-    run = _int32_loop(_round_words, x_bits.device)
-    for start, length, keys in _segments(x_bits.numel(), offset, seed_words(seed)):
-        run(words[start:start + length], x_bits[start:start + length],
-            torch.tensor(keys, dtype=torch.int32, device=x_bits.device))
-    out.view(torch.int16).copy_(words.view(out.shape))  # keeps the low 16 bits: the pattern
+    x32 = x.detach().to(torch.float32).contiguous()
+    _round_owned_(out, x32.clone() if x32.data_ptr() == x.data_ptr() else x32, seed, offset)
+
+
+def _round_owned_(out: torch.Tensor, x32: torch.Tensor, seed: int, offset: int) -> None:
+    """:func:`stochastic_round_` of a contiguous FP32 ``x32`` the caller gives up: its storage
+    receives the rounded patterns before they are copied into ``out`` (no other buffer)."""
+    bits = x32.contiguous().view(-1).view(torch.int32)
+    run = _int32_loop(_round_words, bits.device)
+    for start, length, keys in _segments(bits.numel(), offset, seed_words(seed)):
+        part = bits[start:start + length]
+        run(part, part, torch.tensor(keys, dtype=torch.int32, device=bits.device))
+    out.view(torch.int16).copy_(bits.view(out.shape))  # keeps the low 16 bits: the pattern
 
 
 # -- projections ----------------------------------------------------------------------------
@@ -151,38 +166,62 @@ def _polynomial(x: torch.Tensor, names: list[str]) -> torch.Tensor:
     """``((c0 x + c1) x + ...) x + 1`` in float32, one rounding per operation."""
     p = torch.full_like(x, BM[names[0]])
     for name in names[1:]:
-        p = p * x + BM[name]
-    return p * x + 1.0
+        p.mul_(x).add_(BM[name])
+    return p.mul_(x).add_(1.0)
+
+
+def _rho(w0: torch.Tensor) -> torch.Tensor:
+    """``sqrt(-2 ln u)`` for ``u = (w0 + 1) 2^-24`` (w0: 24-bit int32)."""
+    # u = 2^(e - 24) f with f in [sqrt(1/2), sqrt(2)): exponent and mantissa as integers
+    nb = (w0 + 1).to(torch.float32).view(torch.int32)
+    big = (nb & 0x007FFFFF).bitwise_or_(0x3F800000).gt_(SQRT2_BITS).to(torch.int32)
+    f = (nb & 0x007FFFFF).bitwise_or_(0x3F800000).sub_(big << 23).view(torch.float32)
+    e = nb.bitwise_right_shift_(23).sub_(127 + 24).add_(big).to(torch.float32)
+    del nb, big
+    s = (f - 1.0).div_(f.add_(1.0))  # (f - 1) / (f + 1)
+    del f
+    ln_u = e.mul_(BM["LN2"]).add_((s * 2.0).mul_(_polynomial(s.square(), ["L4", "L3", "L2",
+                                                                      "L1"])))
+    # torch's float32 sqrt is not correctly rounded on the CPU (15% of values differ by one
+    # unit); the float64 square root rounded to float32 is (53 >= 2 * 24 + 2 bits).
+    return ln_u.mul_(-2.0).double().sqrt_().to(torch.float32)
+
+
+def _polar(rho: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rho cos(theta), rho sin(theta))`` for ``theta = 2 pi w1 2^-24`` (w1: 24-bit int32).
+
+    The quadrant ``q = w1 >> 22`` picks ``cos = (cs, -sn, -cs, sn)[q]``,
+    ``sin = (sn, cs, -sn, -cs)[q]`` of the polynomials on ``[0, pi/2)``; a sign is applied as
+    a product with -1.0, which is exact. In place where that changes no bit, and each
+    temporary released as soon as it is used (the reference's memory is part of the step's).
+    """
+    q = w1 >> 22
+    odd = (q & 1).bool()
+    sign_cos = 1 - 2 * ((q ^ (q >> 1)) & 1)  # -1 for q = 1, 2
+    sign_sin = q.bitwise_right_shift_(1).bitwise_and_(1).mul_(-2).add_(1)  # -1 for q = 2, 3
+    del q
+    x = (w1 & 0x3FFFFF).to(torch.float32).mul_(BM["XSTEP"])
+    y = x * x
+    sn = _polynomial(y, ["S6", "S5", "S4", "S3", "S2", "S1"]).mul_(x)
+    del x
+    cs = _polynomial(y, ["C7", "C6", "C5", "C4", "C3", "C2", "C1"])
+    del y
+    cos = torch.where(odd, sn, cs).mul_(sign_cos).mul_(rho)
+    del sign_cos
+    sin = torch.where(odd, cs, sn).mul_(sign_sin).mul_(rho)
+    return cos, sin
 
 
 def box_muller(w0: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rho cos(theta), rho sin(theta))`` (FP32) of 24-bit words ``w0``, ``w1`` (int32):
     ``rho = sqrt(-2 ln u)``, ``u = (w0 + 1) 2^-24``, ``theta = 2 pi w1 2^-24``, with the float32
     polynomials of :data:`BOX_MULLER_CONSTANTS` evaluated one IEEE operation at a time."""
-    # -2 ln u, u = (w0 + 1) 2^-24 = 2^(e - 24) f with f in [sqrt(1/2), sqrt(2))
-    nb = (w0 + 1).to(torch.float32).view(torch.int32)
-    e = (nb >> 23) - 127
-    fb = (nb & 0x007FFFFF) | 0x3F800000
-    big = (fb > SQRT2_BITS).to(torch.int32)
-    fb = fb - (big << 23)
-    e = e + big
-    f = fb.view(torch.float32)
-    s = (f - 1.0) / (f + 1.0)
-    z = s * s
-    ln_u = (e - 24).to(torch.float32) * BM["LN2"] + (s * 2.0) * _polynomial(
-        z, ["L4", "L3", "L2", "L1"])
-    # torch's float32 sqrt is not correctly rounded on the CPU (15% of values differ by one
-    # unit); the float64 square root rounded to float32 is (53 >= 2 * 24 + 2 bits).
-    rho = torch.sqrt((ln_u * -2.0).double()).to(torch.float32)
-    # the angle: quadrant q and x in [0, pi/2)
-    q = w1 >> 22
-    x = (w1 & 0x3FFFFF).to(torch.float32) * BM["XSTEP"]
-    y = x * x
-    sn = x * _polynomial(y, ["S6", "S5", "S4", "S3", "S2", "S1"])
-    cs = _polynomial(y, ["C7", "C6", "C5", "C4", "C3", "C2", "C1"])
-    cos_q = torch.where(q == 0, cs, torch.where(q == 1, -sn, torch.where(q == 2, -cs, sn)))
-    sin_q = torch.where(q == 0, sn, torch.where(q == 1, cs, torch.where(q == 2, -sn, -cs)))
-    return rho * cos_q, rho * sin_q
+    return _polar(_rho(w0), w1)
+
+
+#: Box-Muller pairs computed at once: the temporaries (29 bytes per pair, measured) stay below
+#: 1 MiB whatever k and r.
+GAUSSIAN_BLOCK = 1 << 15
 
 
 def gaussian_matrices(k: int, r: int, seeds: list[int], device) -> torch.Tensor:
@@ -198,13 +237,21 @@ def gaussian_matrices(k: int, r: int, seeds: list[int], device) -> torch.Tensor:
     pairs = k * h
     if 2 * pairs >= 1 << 32:
         raise ValueError(f"a {k} x {r} projection is too large (2 k ceil(r/2) >= 2**32)")
-    words = torch.stack([random_words(2 * pairs, s, GAUSSIAN_LABEL, 0, device)
-                         for s in seeds]) if seeds else torch.empty(0, 2 * pairs,
-                                                                    dtype=torch.int32,
-                                                                    device=device)
-    words = (words >> 8) & 0xFFFFFF
-    cos, sin = box_muller(words[:, :pairs], words[:, pairs:])
-    return torch.cat([cos.view(-1, k, h), sin.view(-1, k, h)], dim=2)[:, :, :r]
+    g = torch.empty(len(seeds), k, 2 * h, dtype=torch.float32, device=device)
+    rows = max(1, GAUSSIAN_BLOCK // h)
+    for m, seed in enumerate(seeds):
+        for i in range(0, k, rows):
+            n = min(rows, k - i) * h
+            w = random_words(n, seed, GAUSSIAN_LABEL, i * h, device)
+            rho = _rho(w.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF))
+            w = random_words(n, seed, GAUSSIAN_LABEL, pairs + i * h, device)
+            cos, sin = _polar(rho, w.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF))
+            del w, rho
+            g[m, i:i + n // h, :h] = cos.view(-1, h)
+            del cos
+            g[m, i:i + n // h, h:] = sin.view(-1, h)
+            del sin
+    return g[:, :, :r]
 
 
 def orthonormalize(g: torch.Tensor, scale: float, gram_fp64: bool) -> torch.Tensor:
@@ -239,6 +286,34 @@ def _orthonormalize_one(g: torch.Tensor, scale: float, gram_fp64: bool) -> torch
     return q
 
 
+RADEMACHER_LABEL = "projection-rademacher"
+
+
+@torch.no_grad()
+def make_projections_(outs: list[torch.Tensor], kind: str, seeds: list[int]) -> None:
+    """Write the projection of ``seeds[m]`` into ``outs[m]`` (k x r, any float dtype), one
+    matrix at a time (no temporary larger than one projection's).
+
+    ``orthonormal``: ``sqrt(k/r)`` times the CholeskyQR ``Q`` of ``G`` (Gram in float64 unless
+    the output is BF16); ``gaussian``: ``G / sqrt(r)``; ``rademacher``: ``+-1/sqrt(r)`` by the
+    top bit of word ``i r + j`` (label ``"projection-rademacher"``). Rounded once to the
+    output's dtype.
+    """
+    for out, seed in zip(outs, seeds, strict=True):
+        k, r = out.shape
+        if kind == "rademacher":
+            words = random_words(k * r, seed, RADEMACHER_LABEL, 0, out.device).view(k, r)
+            magnitude = torch.tensor(1.0 / math.sqrt(r), dtype=out.dtype, device=out.device)
+            torch.where(words < 0, -magnitude, magnitude, out=out)
+            continue
+        g = gaussian_matrices(k, r, [seed], out.device)
+        if kind == "gaussian":
+            torch.div(g[0], math.sqrt(r), out=out)
+        else:
+            # Rounding to BF16 (relative 2**-9) swamps the ~1e-5 error of an FP32 Gram.
+            out.copy_(_orthonormalize_one(g[0], math.sqrt(k / r), out.dtype != torch.bfloat16))
+
+
 def _scaled_inverse_cholesky(gram: torch.Tensor, scale: float) -> torch.Tensor:
     """``scale R^-1`` for the upper Cholesky factor ``R`` of each ``gram = R^T R``.
 
@@ -267,7 +342,7 @@ def _write_rows(rows: torch.Tensor, new: torch.Tensor, *, seed: int, offset: int
         rows.copy_(new)
         return
     if row_length == rows.shape[1]:
-        stochastic_round_(rows, new, seed, offset)
+        _round_owned_(rows, new, seed, offset)
         return
     for i in range(rows.shape[0]):  # a column slice of a wider matrix: its own index per row
         stochastic_round_(rows[i], new[i], seed, offset + i * row_length)
@@ -295,11 +370,10 @@ def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
     """
     for m, (w3, u3, p) in enumerate(zip(weights, factors, projections, strict=True)):
         e_count, d, k = w3.shape
-        p32 = p.to(torch.float32)
         for e in range(e_count):
             c = coefs[m, e]
             keep = c != 0
-            p_t = torch.where(keep, p32, 0.0).t()
+            p_t = torch.where(keep, p.to(torch.float32), 0.0).t()
             factor = None if decays is None else 1.0 - decays[m, e]
             total = torch.zeros((), dtype=torch.float32, device=w3.device)
             for start in range(0, d, chunk_rows):
@@ -357,6 +431,6 @@ def sketch_stats(sketches: list[torch.Tensor], projections: list[torch.Tensor]
         gram = p32.t() @ p32
         for e in range(c3.shape[0]):
             c = c3[e]
-            h2[m, e] = ((c @ gram) * c).sum().clamp_min(0)
+            h2[m, e] = (c @ gram).mul_(c).sum().clamp_min(0)
             finite[m, e] = torch.isfinite(c).all()
     return h2, finite
