@@ -48,9 +48,12 @@ _MUL1 = tl.constexpr(MIX32_MUL1)
 _MUL2 = tl.constexpr(MIX32_MUL2)
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
-# Columns of the per-stack int64 table of the update and norm kernels.
-_W, _U, _P, _M, _SLO, _SHI, _OLO, _OHI, _ROWLEN = range(9)
-_TABLE = tl.constexpr(9)
+# Columns of the per-stack int64 table of the update and norm kernels: base pointers of W, U
+# and P, the stack's index m in the list, seed words, offset words, row length.
+TABLE_COLUMNS = ("w", "u", "p", "m", "s_lo", "s_hi", "off_lo", "off_hi", "row_length")
+_W, _U, _P, _M, _SLO, _SHI, _OLO, _OHI, _ROWLEN = (tl.constexpr(i)
+                                                   for i in range(len(TABLE_COLUMNS)))
+_TABLE = tl.constexpr(len(TABLE_COLUMNS))
 
 
 # ------------------------------------------------------------------------ device functions
@@ -100,17 +103,17 @@ def _pointer(address, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
     return ptr
 
 
-@triton.jit
-def _add(a, b):
-    # tl.sum is a Triton library function (fixed as compiled or interpreted when Triton is
-    # imported); kernels here use only builtins and functions of this module.
-    return a + b
+# Triton's own sum combiner, passed to tl.reduce: the interpreter recognises it and sums with
+# numpy (any other combiner runs element by element in Python, ~100x slower). (tl.sum itself is
+# a library function, fixed as compiled or interpreted when Triton is imported, whereas the
+# kernels here are fixed when this module is; only builtins and plain references are used.)
+_sum = tl.standard._sum_combine
 
 
 @triton.jit
 def _tile_sum(x):
     """Sum of a 2-D tile: rows first, then the row sums (the order every norm uses)."""
-    return tl.reduce(tl.reduce(x, 1, _add), 0, _add)
+    return tl.reduce(tl.reduce(x, 1, _sum), 0, _sum)
 
 
 @triton.jit
@@ -261,7 +264,7 @@ def _lowrank_update_kernel(table_ptr, coef_ptr, decay_ptr, partial_ptr, d, k, r,
     e = tl.program_id(1)
     g = tl.program_id(2)
     entry = table_ptr + g * _TABLE
-    # Not tl.cdiv: see _add.
+    # Not tl.cdiv: see _sum.
     num_n = (k + BLOCK_N - 1) // BLOCK_N
     row0 = (tile // num_n) * BLOCK_M
     col0 = (tile % num_n) * BLOCK_N
@@ -336,7 +339,7 @@ def _lowrank_update_kernel(table_ptr, coef_ptr, decay_ptr, partial_ptr, d, k, r,
         tl.store(w_ptrs, out, mask=tl.where(skip, False, mask))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "stride_om", "stride_oe"])
 def _finish_kernel(partial_ptr, flag_ptr, table_ptr, out_ptr, flag_out_ptr, n,
                    stride_om, stride_oe, TABLE: tl.constexpr, M_COL: tl.constexpr,
                    BLOCK: tl.constexpr, HAS_FLAGS: tl.constexpr, CLAMP: tl.constexpr):
@@ -354,13 +357,13 @@ def _finish_kernel(partial_ptr, flag_ptr, table_ptr, out_ptr, flag_out_ptr, n,
         acc += tl.load(partial_ptr + start_of + start + idx, mask=ok, other=0.0)
         if HAS_FLAGS:
             bad += tl.load(flag_ptr + start_of + start + idx, mask=ok, other=0.0)
-    total = tl.reduce(acc, 0, _add)
+    total = tl.reduce(acc, 0, _sum)
     if CLAMP:
         total = tl.where(total < 0, 0.0, total)  # NaN stays NaN
     m = tl.load(table_ptr + g * TABLE + M_COL)
     tl.store(out_ptr + m * stride_om + e * stride_oe, total)
     if HAS_FLAGS:
-        tl.store(flag_out_ptr + m * stride_om + e * stride_oe, tl.reduce(bad, 0, _add) == 0)
+        tl.store(flag_out_ptr + m * stride_om + e * stride_oe, tl.reduce(bad, 0, _sum) == 0)
 
 
 @triton.jit
@@ -523,7 +526,10 @@ def _layout_key(t: torch.Tensor) -> tuple:
 
 
 def _launch(launches: list[tuple]) -> None:
+    """Run checked launches (the launch builders only build them: ahead-of-time compilation
+    builds launches for CPU tensors)."""
     for kernel, grid, args, kwargs in launches:
+        _check_runs_on(next(a for a in args if isinstance(a, torch.Tensor)).device)
         kernel[grid](*args, **kwargs)
 
 
@@ -534,7 +540,6 @@ def _check_device(*tensors: torch.Tensor) -> torch.device:
     for t in tensors[1:]:
         if t.device != device:
             raise ValueError(f"all tensors must be on one device, got {device} and {t.device}")
-    _check_runs_on(device)
     return device
 
 
@@ -796,7 +801,8 @@ def update_launches(weights: list[torch.Tensor], factors: list[torch.Tensor],
                      NORM_ONLY=False, PTR_ALIGNED=ptr_aligned, enable_fp_fusion=True, **cfg)))
         if sq_norms is not None:
             launches.append(_finish_launch(partials, table, sq_norms, len(group), e, tiles,
-                                           m_col=_M, table_width=9))
+                                           m_col=TABLE_COLUMNS.index("m"),
+                                           table_width=len(TABLE_COLUMNS)))
     return launches
 
 
@@ -846,8 +852,9 @@ def sum_squares_launches(weights: list[torch.Tensor], out: torch.Tensor) -> list
                 dict(DOT_DTYPE=_dot_dtype(), W_DTYPE=_TL_DTYPES[w.dtype], P_DTYPE=tl.float32,
                      HAS_DECAY=False, NORM_ONLY=True, PTR_ALIGNED=ptr_aligned,
                      enable_fp_fusion=True, **{**cfg, "STOCHASTIC": False, "P_PARTS": 1})))
-        launches.append(_finish_launch(partials, table, out, len(group), e, tiles, m_col=_M,
-                                       table_width=9))
+        launches.append(_finish_launch(partials, table, out, len(group), e, tiles,
+                                       m_col=TABLE_COLUMNS.index("m"),
+                                       table_width=len(TABLE_COLUMNS)))
     return launches
 
 
@@ -862,7 +869,8 @@ def sum_squares(weights: list[torch.Tensor], chunk_rows: int) -> torch.Tensor:
     if any(w.dim() == 3 and w.shape[0] != e for w in weights):
         raise ValueError(f"every stack must have the same number of matrices, got "
                          f"{[w.shape[0] for w in weights]}")
-    out = torch.zeros(len(weights), e, dtype=torch.float32, device=weights[0].device)
+    # Every entry is written by the ordered sum (0 for an empty matrix).
+    out = torch.empty(len(weights), e, dtype=torch.float32, device=weights[0].device)
     _launch(sum_squares_launches(weights, out))
     return out
 
@@ -951,8 +959,9 @@ def sketch_stats(sketches: list[torch.Tensor], projections: list[torch.Tensor]
         return empty, empty.bool()
     e = sketches[0].shape[0] if sketches[0].dim() == 3 else 0
     device = sketches[0].device
-    h2 = torch.zeros(len(sketches), e, dtype=torch.float32, device=device)
-    finite = torch.ones(len(sketches), e, dtype=torch.bool, device=device)
+    # Every entry is written by the ordered sums (0 and True for an empty matrix).
+    h2 = torch.empty(len(sketches), e, dtype=torch.float32, device=device)
+    finite = torch.empty(len(sketches), e, dtype=torch.bool, device=device)
     if any(c.dim() == 3 and c.shape[0] != e for c in sketches):
         raise ValueError(f"every sketch stack must have the same number of matrices, got "
                          f"{[c.shape[0] for c in sketches]}")
