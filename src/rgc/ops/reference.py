@@ -20,6 +20,7 @@ import math
 import warnings
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from rgc.rounding import MIX32_MUL1, MIX32_MUL2, seed_words
 
@@ -71,7 +72,9 @@ def _compiled(fn):
 
     def run(*args):
         nonlocal compiled
-        if compiled is not fn:
+        # Under a TorchDispatchMode (op counters, tracing) torch.compile refuses to run: eager
+        # ops there, without giving up the compiled loop for the rest of the process.
+        if compiled is not fn and _get_current_dispatch_mode() is None:
             try:
                 return compiled(*args)
             except Exception as exc:  # no C++ compiler, unsupported platform

@@ -195,7 +195,7 @@ def _gaussian_kernel(g_ptr, seed_ptr, k, h, ldg, stride_gm, BLOCK: tl.constexpr)
     s_lo = tl.load(seed_ptr + 2 * s).to(tl.uint32)
     s_hi = tl.load(seed_ptr + 2 * s + 1).to(tl.uint32)
     m32 = m.to(tl.uint32)
-    zero = tl.zeros_like(m32)
+    zero = tl.full((BLOCK,), 0, tl.uint32)  # (tl.zeros_like is a library function)
     w0 = _hash(m32, zero, s_lo, s_hi) >> 8
     w1 = _hash(pairs.to(tl.uint32) + m32, zero, s_lo, s_hi) >> 8
     # -2 ln u, u = (w0 + 1) 2^-24 = 2^(e - 24) f, f in [sqrt(1/2), sqrt(2))
