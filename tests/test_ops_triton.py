@@ -10,6 +10,7 @@ afterwards. Shapes are small: the interpreter runs each program in Python.
 import importlib
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ pytest.importorskip("triton")
 import rgc  # noqa: E402
 from rgc.ops import reference as R  # noqa: E402
 from rgc.rounding import mix32, seed_words  # noqa: E402
-from tests.bf16_checks import assert_close_bf16, bits16  # noqa: E402
+from tests.bf16_checks import MAX_MISMATCH, assert_close_bf16, bits16  # noqa: E402
 from tests.launches import CountLaunches  # noqa: E402
 
 T = None  # rgc.ops.triton, loaded interpreted by the fixture
@@ -534,3 +535,22 @@ def test_ops_trace_with_the_triton_kernels(monkeypatch):
     monkeypatch.setenv("RGC_IMPL", "triton")
     for name, args in _op_calls().items():
         torch.library.opcheck(getattr(torch.ops.rgc, name), args)
+
+
+# ---------------------------------------------------------------------------- benchmarks
+
+def test_gpu_benchmark_smoke_mode(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import gpu_kernels
+
+    rows = gpu_kernels.main(["--smoke", "--out", str(tmp_path)])
+    assert len(rows) == len(gpu_kernels.SMOKE_SHAPES) * len(gpu_kernels.SMOKE_RANKS)
+    assert all(row["mismatch_vs_torch"] <= MAX_MISMATCH for row in rows)
+    assert all(row["fused_us"] > 0 and row["grouped_us_per_stack"] > 0 for row in rows)
+    for name in ("gpu_kernels_smoke", "gpu_kernels_sweep_smoke"):
+        assert "## Environment" in (tmp_path / f"{name}.md").read_text()
+    step = gpu_kernels.main(["--smoke", "--step", "--out", str(tmp_path)])
+    ranks = gpu_kernels.SMOKE_RANKS
+    assert [(row["layers"], row["r"]) for row in step] == [(2, r) for r in ranks] + [(1, ranks[0])]
+    assert all(row["rgc_step_ms"] > 0 and row["adamw_fused_step_ms"] > 0 for row in step)
+    assert "## Environment" in (tmp_path / "gpu_step_smoke.md").read_text()

@@ -11,8 +11,8 @@ bind them), so what is checked is what runs; launches with equal specialisations
 compiled once. The layouts cover the specialisations a launch can meet: aligned (dimensions
 and strides multiples of 16), misaligned (odd dimensions and strides, a column slice starting
 at an odd column, a flat offset past 2**32), an odd rank with an aligned W, r = 1 (Triton
-turns arguments equal to 1 into constants), and transposed expert storage (unit stride on d);
-with and without weight decay; and the norm-only pass of ``sum_squares``.
+turns arguments equal to 1 into constants), and transposed expert storage (unit stride on d),
+each with and without weight decay; and the norm-only pass of ``sum_squares``.
 
 Used by ``tests/test_ops_aot.py`` and ``benchmarks/gpu_kernels.py --registers``. Requires
 the kernels to be loaded compiled, not interpreted (``TRITON_INTERPRET`` unset when
@@ -167,17 +167,15 @@ UPDATE_LAYOUTS = ("aligned", "misaligned", "r=7", "r=1")
 
 def _update_variants():
     """``(w_dtype, p_dtype, stochastic, layout, decay)`` of every update case: every dtype
-    and rounding in the four layouts without decay; with decay in the aligned and
-    misaligned layouts; transposed storage for BF16 P, with and without decay."""
+    and rounding in the four layouts, with and without decay; transposed storage for BF16 P,
+    with and without decay."""
     for w_dtype in WEIGHT_DTYPES:
         for p_dtype in PROJECTION_DTYPES:
             for stochastic in (True, False) if w_dtype == torch.bfloat16 else (False,):
-                for layout in UPDATE_LAYOUTS:
-                    yield w_dtype, p_dtype, stochastic, layout, False
-                for layout in ("aligned", "misaligned"):
-                    yield w_dtype, p_dtype, stochastic, layout, True
-                if p_dtype == torch.bfloat16 and (stochastic or w_dtype == torch.float32):
-                    for decay in (False, True):
+                for decay in (False, True):
+                    for layout in UPDATE_LAYOUTS:
+                        yield w_dtype, p_dtype, stochastic, layout, decay
+                    if p_dtype == torch.bfloat16 and (stochastic or w_dtype == torch.float32):
                         yield w_dtype, p_dtype, stochastic, "transposed", decay
 
 

@@ -613,7 +613,7 @@ def stochastic_round_launches(out: torch.Tensor, x: torch.Tensor, seed: int,
     grid = (triton.cdiv(x.numel(), ROUND_BLOCK),)
     return [(_stochastic_round_kernel, grid, (x32, target, x.numel(), *_words(offset), s_lo,
                                               s_hi),
-             dict(BLOCK=ROUND_BLOCK, num_warps=4))]
+             dict(BLOCK=ROUND_BLOCK, num_warps=4, enable_fp_fusion=True))]
 
 
 def random_words(numel: int, seed: int, label: str, offset: int,
@@ -636,7 +636,7 @@ def random_words_launches(out: torch.Tensor, seed: int, label: str,
     s_lo, s_hi = (_int32(w) for w in seed_words(seed, label))
     grid = (triton.cdiv(out.numel(), WORDS_BLOCK),)
     return [(_random_words_kernel, grid, (out, out.numel(), *_words(offset), s_lo, s_hi),
-             dict(BLOCK=WORDS_BLOCK, num_warps=4))]
+             dict(BLOCK=WORDS_BLOCK, num_warps=4, enable_fp_fusion=True))]
 
 
 # ------------------------------------------------------------------------------ Gaussians
@@ -722,7 +722,7 @@ def _finish_launch(partials: torch.Tensor, table: torch.Tensor, out: torch.Tenso
             (partials, partials if flags is None else flags, table, out,
              out if flag_out is None else flag_out, n, out.stride(0), out.stride(1)),
             dict(TABLE=table_width, M_COL=m_col, BLOCK=SUM_BLOCK, HAS_FLAGS=flags is not None,
-                 CLAMP=clamp, num_warps=4))
+                 CLAMP=clamp, num_warps=4, enable_fp_fusion=True))
 
 
 def _update_config(w: torch.Tensor, u: torch.Tensor, p: torch.Tensor, stochastic: bool,
@@ -879,6 +879,7 @@ def sum_squares(weights: list[torch.Tensor], chunk_rows: int) -> torch.Tensor:
 
 def _gram_config(p: torch.Tensor, fp64: bool) -> dict:
     return dict(GRAM_TILE, PARTS=1 if p.dtype == torch.bfloat16 else 3, FP64=fp64,
+                enable_fp_fusion=True,
                 DOT_DTYPE=_dot_dtype(), P_DTYPE=_TL_DTYPES[p.dtype])
 
 
@@ -940,7 +941,7 @@ def sketch_stats_launches(sketches: list[torch.Tensor], projections: list[torch.
         if blocks and r:
             launches.append((_sketch_stats_kernel, (blocks, e, len(group)),
                              (table, gram, partials, flags, d, r, *c.stride()),
-                             dict(STATS_TILE, DOT_DTYPE=_dot_dtype(),
+                             dict(STATS_TILE, DOT_DTYPE=_dot_dtype(), enable_fp_fusion=True,
                                   PTR_ALIGNED=_aligned_ptrs(*(sketches[m] for m in group)))))
         else:
             blocks = 0  # empty matrices: sum 0, finite
