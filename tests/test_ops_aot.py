@@ -81,24 +81,27 @@ def test_aligned_layouts_keep_two_programs_per_sm(usage):
     assert aligned and all(u.registers <= 128 and u.num_warps == 8 for u in aligned)
 
 
+@pytest.fixture(scope="module")
+def compiled_keys(aot, compiled):
+    return {aot.specialization(kernel, args, kwargs)
+            for _case, (kernel, _grid, args, kwargs) in aot.distinct_launches(aot.all_cases())}
+
+
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("p_dtype", [torch.bfloat16, torch.float32])
-def test_every_rank_runs_a_compiled_case(aot, w_dtype, p_dtype):
+def test_every_rank_runs_a_compiled_case(aot, compiled_keys, w_dtype, p_dtype):
     # For r = 1..512 on a model-shaped W, whatever the seed, offset and the coefficients'
     # layout, the JIT's key of each launch is one of the keys compiled above: no rank reaches
     # a kernel this file did not check. (Misaligned layouts: one representative each.)
-    compiled_keys = {aot.specialization(kernel, args, kwargs)
-                     for _case, (kernel, _grid, args, kwargs)
-                     in aot.distinct_launches(aot.all_cases())}
     stochastic = w_dtype == torch.bfloat16
+    weights = [torch.zeros(1, 96, 160, dtype=w_dtype) for _ in range(2)]
     for r in range(1, 513):
-        for decay in (None, torch.zeros(3, 1)):
-            weights = [torch.zeros(1, 96, 160, dtype=w_dtype) for _ in range(3)]
+        factors = [torch.zeros(1, 96, r) for _ in weights]
+        projections = [torch.zeros(160, r, dtype=p_dtype) for _ in weights]
+        for decay in (None, torch.zeros(2, 1)):
             launches = aot.K.update_launches(
-                weights, [torch.zeros(1, 96, r) for _ in weights],
-                [torch.zeros(160, r, dtype=p_dtype) for _ in weights], torch.zeros(3, 1),
-                decay, [r, 2 * r, 3], [(2**33 + 5) * r, 0, 7], [160] * 3, stochastic,
-                torch.zeros(3, 1))
+                weights, factors, projections, torch.zeros(2, 1), decay, [r, 3],
+                [(2**33 + 5) * r, 7], [160] * 2, stochastic, torch.zeros(2, 1))
             for kernel, _grid, args, kwargs in launches:
                 assert aot.specialization(kernel, args, kwargs) in compiled_keys, (r, decay)
 

@@ -22,6 +22,7 @@ the kernels to be loaded compiled, not interpreted (``TRITON_INTERPRET`` unset w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import subprocess
@@ -77,12 +78,17 @@ def _target(arch: int):
     return GPUTarget("cuda", arch, 32)
 
 
-def _bind(kernel, args: tuple, kwargs: dict, arch: int):
+@functools.cache
+def _binder(kernel, arch: int):
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
     backend = make_backend(_target(arch))
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    return backend, create_function_from_signature(kernel.signature, kernel.params, backend)
+
+
+def _bind(kernel, args: tuple, kwargs: dict, arch: int):
+    backend, binder = _binder(kernel, arch)
     kwargs = dict(kwargs, debug=False)
     return backend, kwargs, *binder(*args, **kwargs)
 
