@@ -174,6 +174,12 @@ def bench_shape(timer: Timer, d: int, k: int, r: int, copy_bps: float, kernels,
                 norm_us=t_norm * 1e6, mismatch_vs_torch=mismatch)
 
 
+def run(launches: list[tuple]) -> None:
+    """Run launches built by a ``*_launches`` function of rgc.ops.triton."""
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+
+
 def sweep(timer: Timer, d: int, k: int, ranks, configs, kernels) -> list[dict]:
     rows = []
     for r in ranks:
@@ -182,10 +188,9 @@ def sweep(timer: Timer, d: int, k: int, ranks, configs, kernels) -> list[dict]:
             for cfg in configs:
                 config = dict(cfg, C_PARTS=c_parts)
                 a = one.args()
-                launches = kernels.update_launches(*a[:9], a[10],
-                                                   config=config)
+                launches = kernels.update_launches(*a[:9], a[10], config=config)
                 try:
-                    t = timer(lambda: kernels._launch(launches))  # noqa: B023
+                    t = timer(lambda: run(launches))  # noqa: B023
                 except Exception as exc:  # e.g. out of shared memory for this tile
                     print(f"config {config} failed: {type(exc).__name__}: {exc}")
                     continue
@@ -402,7 +407,7 @@ def main(argv=None) -> list[dict]:
         sweep_rows = sweep(timer, *shapes[0], ranks[:1] if args.smoke else ranks, configs,
                            kernels)
         one = Update.build(*shapes[0], 64, device)
-        default = kernels._update_config(one.weights[0], one.factors[0], one.projections[0],
+        default = kernels.update_config(one.weights[0], one.factors[0], one.projections[0],
                                          True, None)
         write_results("gpu_kernels_sweep" + ("_smoke" if args.smoke else ""), sweep_rows,
                       title="Fused update: tiles and number of BF16 parts of U",

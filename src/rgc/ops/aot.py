@@ -171,7 +171,7 @@ def _stacks(layout: str, w_dtype, p_dtype, count: int = 2):
 UPDATE_LAYOUTS = ("aligned", "misaligned", "r=7", "r=1")
 
 
-def _update_variants():
+def update_variants():
     """``(w_dtype, p_dtype, stochastic, layout, decay)`` of every update case: every dtype
     and rounding in the four layouts, with and without decay; transposed storage for BF16 P,
     with and without decay."""
@@ -205,7 +205,7 @@ def update_case(w_dtype, p_dtype, stochastic, layout, decay) -> list[tuple]:
 
 def update_cases():
     """``(case name, launches)`` for every configuration of the fused update."""
-    for variant in _update_variants():
+    for variant in update_variants():
         yield update_case_name(*variant), update_case(*variant)
 
 

@@ -528,8 +528,9 @@ def _layout_key(t: torch.Tensor) -> tuple:
 def _launch(launches: list[tuple]) -> None:
     """Run checked launches (the launch builders only build them: ahead-of-time compilation
     builds launches for CPU tensors)."""
-    for kernel, grid, args, kwargs in launches:
+    for _kernel, _grid, args, _kwargs in launches:
         _check_runs_on(next(a for a in args if isinstance(a, torch.Tensor)).device)
+    for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
 
 
@@ -725,7 +726,7 @@ def _finish_launch(partials: torch.Tensor, table: torch.Tensor, out: torch.Tenso
                  CLAMP=clamp, num_warps=4, enable_fp_fusion=True))
 
 
-def _update_config(w: torch.Tensor, u: torch.Tensor, p: torch.Tensor, stochastic: bool,
+def update_config(w: torch.Tensor, u: torch.Tensor, p: torch.Tensor, stochastic: bool,
                    config: dict | None, norm_only: bool = False) -> dict:
     """Tiles, precision and kernel options of the fused update for one group."""
     cfg = dict(UPDATE_TILE, P_PARTS=1 if p.dtype == torch.bfloat16 else 3,
@@ -770,7 +771,7 @@ def update_launches(weights: list[torch.Tensor], factors: list[torch.Tensor],
         w, u, p = weights[group[0]], factors[group[0]], projections[group[0]]
         e, d, k = w.shape
         r = u.shape[2]
-        cfg = _update_config(w, u, p, stochastic_rounding, config)
+        cfg = update_config(w, u, p, stochastic_rounding, config)
         _check_int32_offsets("weights", [(cfg["BLOCK_M"], w.stride(1)),
                                          (cfg["BLOCK_N"], w.stride(2))])
         r_span = max(r, cfg["BLOCK_R"])  # the r-loop adds r0 * stride in int32 too
@@ -780,9 +781,7 @@ def update_launches(weights: list[torch.Tensor], factors: list[torch.Tensor],
         rows = []
         for m in group:
             rows.append([weights[m].data_ptr(), factors[m].data_ptr(), projections[m].data_ptr(),
-                         m, *seed_words(seeds[m]), *(int(v) for v in
-                                                     _unsigned_words(offsets[m])),
-                         int(row_lengths[m])])
+                         m, *seed_words(seeds[m]), *_words(offsets[m]), int(row_lengths[m])])
         if e == 0:
             continue
         table = _table(rows, device)
@@ -804,10 +803,6 @@ def update_launches(weights: list[torch.Tensor], factors: list[torch.Tensor],
                                            m_col=TABLE_COLUMNS.index("m"),
                                            table_width=len(TABLE_COLUMNS)))
     return launches
-
-
-def _unsigned_words(v: int) -> tuple[int, int]:
-    return v & 0xFFFFFFFF, (v >> 32) & 0xFFFFFFFF
 
 
 def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
@@ -835,7 +830,7 @@ def sum_squares_launches(weights: list[torch.Tensor], out: torch.Tensor) -> list
     for group in _groups([_layout_key(w) for w in weights]):
         w = weights[group[0]]
         e, d, k = w.shape
-        cfg = _update_config(w, w, w, False, None, norm_only=True)
+        cfg = update_config(w, w, w, False, None, norm_only=True)
         _check_int32_offsets("weights", [(cfg["BLOCK_M"], w.stride(1)),
                                          (cfg["BLOCK_N"], w.stride(2))])
         if e == 0:
