@@ -40,6 +40,7 @@ _NOT_KERNELS = {
     "aten.detach_.default", "aten.set_.source_Storage", "aten.set_.source_Storage_storage_offset",
     "aten.set_.source_Tensor", "aten.set_.default", "aten.resize_.default",
     "aten.as_strided_.default", "aten.lift_fresh.default",
+    "aten._pin_memory.default",  # a copy between host buffers
 }
 _COPIES = {"aten._to_copy.default", "aten.copy_.default", "aten.to.dtype_layout",
            "aten.to.device", "aten.to.other"}
