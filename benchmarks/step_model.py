@@ -35,7 +35,7 @@ BF16_TENSOR_FLOPS = 989e12  # dense BF16 tensor-core peak, H100 and H200 SXM
 FP32_FLOPS = 67e12  # FP32 without tensor cores, H100 and H200 SXM
 LAUNCH_US = 3.0  # a typical kernel launch gap without CUDA graphs
 
-# The update kernel's tile (rgc.kernels._triton.UPDATE_TILE) and BF16 products per r-block:
+# The update kernel's tile (rgc.ops.triton.UPDATE_TILE) and BF16 products per r-block:
 # C split in three BF16 parts times P0 (BF16 P), or six products for an FP32 P.
 TILE_M = TILE_N = 64
 UPDATE_DOTS = {2: 3, 4: 6}  # P bytes per element -> BF16 tensor-core products
@@ -58,13 +58,13 @@ def layer_phases(d: int, k: int, r: int, *, w_bytes: int = 2, p_bytes: int = 2) 
       (4 d r bytes) and P (``p_bytes`` k r), then one small kernel forms ``||H||`` and the step
       coefficient on the device (isfinite, ``lr ||W|| / ||H||``, 0 for a non-finite sketch)
       from ``||W||^2`` left by the previous update: 3 launches.
-    * ``update (fused)``: ``rgc.kernels.lowrank_update_``: reads and writes W once
+    * ``update (fused)``: ``rgc.ops.lowrank_update_``: reads and writes W once
       (2 ``w_bytes`` d k), reads C and P once from HBM (their re-reads by the d/64 x k/64
       tiles are L2 traffic), writes one FP32 partial sum of squares per tile and sums them
       into ``||W_new||^2`` (second launch). No separate ``||W||`` pass.
     * ``sketch zero``: ``C.zero_()``, 4 d r bytes written.
     * ``P refresh (CholeskyQR)``, ``rgc.projection`` for k >= 4r: G (k x r FP32) written
-      once by one kernel (``rgc.kernels.gaussian_matrix``), ``A = G^T G`` (read G; FP32 for a
+      once by one kernel (``rgc.ops.gaussian_matrices``), ``A = G^T G`` (read G; FP32 for a
       BF16 P, else from a float64 copy of G: write and read 8 k r more), ``R = chol(A)`` and
       ``sqrt(k/r) R^-1`` (r x r, no HBM term), ``Q = G R^-1`` (read G, write Q FP32), then P in
       its dtype (read Q, write P): 7 launches (the Cholesky and the triangular solve count

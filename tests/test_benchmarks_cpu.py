@@ -12,3 +12,26 @@ def test_optimizer_step_benchmark_runs(tmp_path):
     assert [row["method"] for row in rows][-1] == "adamw foreach, fp32 params"
     assert all(row["step_ms"] > 0 for row in rows)
     assert "## Environment" in (tmp_path / "optimizer_step_cpu.md").read_text()
+
+
+def test_step_model_counts():
+    # The model's floor is 4 bytes per projection weight, counted here from the config by
+    # hand; every phase costs bytes and launches; the update moves at least the floor.
+    import json
+
+    import pytest
+
+    from benchmarks import step_model
+
+    config = json.loads((step_model.CONFIGS / "qwen3-1.7b.json").read_text())
+    h, i, q, kv = 2048, 6144, 16 * 128, 8 * 128
+    per_layer = q * h + 2 * kv * h + h * q + 3 * i * h
+    rows = {row["phase"]: row for row in step_model.step_rows("x", config, 64)}
+    assert rows["floor (read + write BF16 W once)"]["GB"] == pytest.approx(
+        4 * 28 * per_layer / 1e9)
+    assert rows["update (fused)"]["GB"] > rows["floor (read + write BF16 W once)"]["GB"]
+    phases = [p for p in rows if p not in ("total RGC step", "floor (read + write BF16 W once)")
+              and not p.startswith("AdamW")]
+    assert len(phases) == 4 and all(rows[p]["launches"] > 0 for p in phases)
+    assert rows["total RGC step"]["launches"] == sum(rows[p]["launches"] for p in phases)
+    assert rows["update (fused)"]["launches"] == 2 * 7 * 28  # update + sum of partials

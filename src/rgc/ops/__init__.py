@@ -175,9 +175,10 @@ def sketch_stats(sketches: list[Tensor], projections: list[Tensor]) -> tuple[Ten
 
 @_define("gaussian_matrices", (), lambda k, r, seeds, device: device)
 def gaussian_matrices(k: int, r: int, seeds: list[int], device: torch.device) -> Tensor:
-    """Box-Muller ``G`` per seed, ``[M, k, r]`` FP32 (see
+    """Box-Muller ``G`` per seed, ``[M, k, r]`` FP32, a view of ``[M, k, 2 ceil(r/2)]`` (see
     :func:`rgc.ops.reference.gaussian_matrices`)."""
-    return torch.empty(len(seeds), k, r, dtype=torch.float32, device=device)
+    return torch.empty(len(seeds), k, 2 * ((r + 1) // 2), dtype=torch.float32,
+                       device=device)[:, :, :r]
 
 
 @_define("make_projections_", ("outs",), lambda outs, kind, seeds: _first(outs))
