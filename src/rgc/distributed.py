@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 
 from rgc.nn import CompressedLinear, compressed_layer_of
 from rgc.optim.base import Entry, group_lr, rounding_seed
-from rgc.optim.rgc import RGCOptimizer, normalized_coef, sqrt32
+from rgc.optim.rgc import RGCOptimizer, normalized_coef
 from rgc.seeding import derive_seed
 from rgc.updates import apply_dense_update_, apply_lowrank_update_, sum_squares
 
@@ -441,16 +441,14 @@ class DistributedRGCOptimizer(RGCOptimizer):
         totals = torch.stack(sums)
         dist.all_reduce(totals, group=self._mesh_group)
         self.last_comm_bytes += totals.numel() * totals.element_size()
-        # FP32 square roots, as RGCOptimizer takes them; the coefficients stay on the device
-        norms = sqrt32(totals[:, :2])
         finished = []
         for row, (index, p, group, layer, local_value, start) in enumerate(work):
             state = self._init_state(p, layer)
             state["step"] += 1
             ok = totals[row, 2] == 0
             state["skipped"] += ~ok
-            coef, _ = normalized_coef(norms[row, 0], norms[row, 1], group_lr(group, totals.device),
-                                      ok)
+            coef, _ = normalized_coef(totals[row, 0], totals[row, 1],
+                                      group_lr(group, totals.device), ok)
             if group["maximize"]:
                 coef = -coef
             seed = rounding_seed(group["seed"], index, int(state["step"]))

@@ -121,7 +121,7 @@ def advance_projections(owners: list) -> None:
     groups: dict[tuple, list] = {}
     for owner in owners:
         p = owner.projection
-        key = (owner.projection_kind, owner.in_features, owner.rank, p.device)
+        key = (owner.projection_kind, owner.in_features, owner.rank, p.dtype, p.device)
         groups.setdefault(key, []).append(owner)
     for (kind, *_), members in groups.items():
         for owner in members:

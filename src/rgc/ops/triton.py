@@ -988,3 +988,39 @@ def orthonormalize(g: torch.Tensor, scale: float, gram_fp64: bool) -> torch.Tens
     inverse = reference._scaled_inverse_cholesky(gram, scale)
     return torch.bmm(g, inverse.to(torch.float32))
 
+
+
+# --------------------------------------------------------------------- projection refresh
+
+#: Bytes of G generated at once by :func:`make_projections_` (the transient of a refresh).
+PROJECTION_CHUNK_BYTES = 64 << 20
+
+
+def make_projections_(outs: list[torch.Tensor], kind: str, seeds: list[int]) -> None:
+    """:func:`rgc.ops.reference.make_projections_` on CUDA: for every chunk of at most
+    :data:`PROJECTION_CHUNK_BYTES` of G, one Gaussian launch for all its seeds, one batched
+    orthonormalisation (:func:`orthonormalize`) and one grouped copy into the buffers (with
+    the rounding to their dtype). Rademacher projections are one hash launch per seed."""
+    if not outs:
+        return
+    device = _check_device(*outs)
+    k, r = outs[0].shape
+    if any(tuple(o.shape) != (k, r) for o in outs):
+        raise ValueError(f"every projection buffer must be {k} x {r}, got "
+                         f"{sorted({tuple(o.shape) for o in outs})}")
+    if kind == "rademacher":
+        for out, seed in zip(outs, seeds, strict=True):
+            words = random_words(k * r, seed, reference.RADEMACHER_LABEL, 0, device)
+            magnitude = torch.tensor(r ** -0.5, dtype=out.dtype, device=device)
+            torch.where(words.view(k, r) < 0, -magnitude, magnitude, out=out)
+        return
+    step = max(1, PROJECTION_CHUNK_BYTES // max(1, 8 * k * ((r + 1) // 2)))
+    for start in range(0, len(outs), step):
+        chunk = outs[start:start + step]
+        g = gaussian_matrices(k, r, list(seeds[start:start + step]), device)
+        if kind == "gaussian":
+            new = g / r ** 0.5
+        else:
+            new = orthonormalize(g.contiguous(), (k / r) ** 0.5,
+                                 any(o.dtype != torch.bfloat16 for o in chunk))
+        torch._foreach_copy_(chunk, list(new.unbind(0)))

@@ -19,21 +19,26 @@ def sketch_norm(sketch: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
 
 
 def sqrt32(x: torch.Tensor) -> torch.Tensor:
-    """The correctly rounded FP32 square root of FP32 ``x`` on every device (torch's CPU kernel
-    is not correctly rounded in its vector loop, so its bits would depend on the tensor's
-    size); through float64, whose 53 bits make the second rounding innocuous."""
+    """The correctly rounded FP32 square root of FP32 ``x``, so that its bits do not depend
+    on the tensor's size: torch's CUDA kernel is; its CPU kernel is not in its vector loop,
+    so there it goes through float64, whose 53 bits make the second rounding innocuous."""
+    if x.device.type == "cuda":
+        return x.sqrt()
     return x.double().sqrt().to(torch.float32)
 
 
-def normalized_coef(weight_norm: torch.Tensor, direction_norm: torch.Tensor, lr,
+def normalized_coef(weight_sq_norm: torch.Tensor, direction_sq_norm: torch.Tensor, lr,
                     ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(coef, active)`` on the device: ``coef = lr * ||W|| / ||H||`` where ``active``, else 0.
+    """``(coef, active)`` on the device: ``coef = lr * sqrt(||W||^2 / ||H||^2)`` where
+    ``active``, else 0.
 
     ``active = ok & (||H|| > 0) & (lr != 0)``; tensors of one shape (FP32, bool) or 0-dim,
     nothing read on the host.
     """
-    active = ok & (direction_norm > 0) & (lr != 0)
-    return torch.where(active, lr * weight_norm / direction_norm, 0.0), active
+    active = ok & (direction_sq_norm > 0)
+    if torch.is_tensor(lr) or lr == 0:
+        active &= lr != 0
+    return torch.where(active, sqrt32(weight_sq_norm / direction_sq_norm) * lr, 0.0), active
 
 
 class RGCOptimizer(SketchOptimizer):
@@ -96,15 +101,15 @@ class RGCOptimizer(SketchOptimizer):
         h2, finite = ops.sketch_stats(sketches, [o.projection for o in owners])
         self._count_skips(entries, finite)
         w2 = self._weight_sq_norms(entries, group["chunk_rows"])
-        coefs, active = normalized_coef(sqrt32(w2), sqrt32(h2), group_lr(group, h2.device),
-                                        finite)
+        coefs, active = normalized_coef(w2, h2, group_lr(group, h2.device), finite)
         if group["maximize"]:
             coefs = -coefs
         return self._stack_update(entries, group, sketches, coefs, None, active,
                                   sq_norms=torch.empty_like(w2))
 
     def _propose_dense(self, p, group, state, seed, ok) -> DenseUpdate:
-        coef, active = normalized_coef(p.to(torch.float32).norm(), p.grad.to(torch.float32).norm(),
+        coef, active = normalized_coef(p.to(torch.float32).square().sum(),
+                                       p.grad.to(torch.float32).square().sum(),
                                        group_lr(group, p.device), ok)
         if group["maximize"]:
             coef = -coef
