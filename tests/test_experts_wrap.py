@@ -255,3 +255,17 @@ def test_wrap_errors_leave_the_model_untouched():
     rgc.wrap(model, rank=4)
     with pytest.raises(ValueError, match="already wrapped"):
         rgc.wrap(model, rank=4)
+
+
+def test_optimizers_refuse_a_sketched_expert_weight_with_a_dense_gradient():
+    model = rgc.wrap(tiny_moe("qwen3_moe"), rank=4)
+    experts = model.model.layers[0].mlp.experts
+    with pytest.raises(RuntimeError, match="AdamW is stepping the weight of a sketched expert "
+                                           "stack \\(4 experts of 32 x 32\\)"):
+        torch.optim.AdamW([experts.gate_up_proj]).step()
+    experts.down_proj.square().sum().backward()  # a use outside the experts forward
+    optimizer = rgc.RGCOptimizer([experts.down_proj], lr=1e-2)
+    before = experts.down_proj.detach().clone()
+    with pytest.raises(RuntimeError, match="has a dense .grad: it was used outside"):
+        optimizer.step()
+    assert torch.equal(experts.down_proj, before)
