@@ -269,3 +269,19 @@ def test_optimizers_refuse_a_sketched_expert_weight_with_a_dense_gradient():
     with pytest.raises(RuntimeError, match="has a dense .grad: it was used outside"):
         optimizer.step()
     assert torch.equal(experts.down_proj, before)
+
+
+def test_activation_checkpointing_gives_the_same_sketches():
+    plain = tiny_moe("mixtral")
+    checkpointed = copy.deepcopy(plain)
+    rgc.wrap(plain, rank=4)
+    rgc.wrap(checkpointed, rank=4)
+    checkpointed.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the method's old name
+        checkpointed.gradient_checkpointing_enable()
+    ids = ids_for(plain)
+    for model in (plain, checkpointed):
+        model(ids).logits.square().mean().backward()
+    for (_, a), (_, b) in zip(rgc.sketched_weights(plain), rgc.sketched_weights(checkpointed)):
+        assert torch.equal(a.sketch, b.sketch)
