@@ -285,3 +285,17 @@ def test_activation_checkpointing_gives_the_same_sketches():
         model(ids).logits.square().mean().backward()
     for (_, a), (_, b) in zip(rgc.sketched_weights(plain), rgc.sketched_weights(checkpointed)):
         assert torch.equal(a.sketch, b.sketch)
+
+
+def test_calibration_and_grad_norm_count_the_experts():
+    model = rgc.wrap(tiny_moe("qwen3_moe"), rank=4)
+    weights = [o.weight for _, o in rgc.sketched_weights(model)]
+    rms = torch.cat([w.detach().reshape(-1) for w in weights]).double().square().mean().sqrt()
+    assert abs(rgc.calibrate_lr(model, adamw_lr=1e-4) - 1e-4 / float(rms)) < 1e-9
+    from rgc.integrations import grad_norm
+
+    model(ids_for(model)).logits.square().mean().backward()
+    optimizer = rgc.RGCOptimizer([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    expected = sum(float((o.sketch_matrices().double() @ o.projection.double().T).square().sum())
+                   for _, o in rgc.sketched_weights(model))
+    assert abs(float(grad_norm(optimizer)) ** 2 - expected) <= 1e-4 * expected
