@@ -257,18 +257,23 @@ def test_wrap_errors_leave_the_model_untouched():
         rgc.wrap(model, rank=4)
 
 
-def test_optimizers_refuse_a_sketched_expert_weight_with_a_dense_gradient():
+def test_a_dense_gradient_of_a_sketched_expert_weight_is_refused():
     model = rgc.wrap(tiny_moe("qwen3_moe"), rank=4)
     experts = model.model.layers[0].mlp.experts
     with pytest.raises(RuntimeError, match="AdamW is stepping the weight of a sketched expert "
                                            "stack \\(4 experts of 32 x 32\\)"):
         torch.optim.AdamW([experts.gate_up_proj]).step()
-    experts.down_proj.square().sum().backward()  # a use outside the experts forward
-    optimizer = rgc.RGCOptimizer([experts.down_proj], lr=1e-2)
-    before = experts.down_proj.detach().clone()
-    with pytest.raises(RuntimeError, match="has a dense .grad: it was used outside"):
-        optimizer.step()
-    assert torch.equal(experts.down_proj, before)
+    with pytest.raises(RuntimeError, match="received a dense gradient"):
+        experts.down_proj.square().sum().backward()  # a use outside the experts forward
+    assert experts.down_proj.grad is None
+    copied = copy.deepcopy(model).model.layers[0].mlp.experts  # the copy is guarded too
+    with pytest.raises(RuntimeError, match="received a dense gradient"):
+        copied.gate_up_proj.sum().backward()
+    experts.down_proj.grad = torch.zeros_like(experts.down_proj)  # set, not accumulated: allowed
+    rgc.unwrap(model)
+    experts.down_proj.grad = None
+    experts.down_proj.square().sum().backward()  # unwrapped: dense training again
+    assert experts.down_proj.grad is not None
 
 
 def test_activation_checkpointing_gives_the_same_sketches():
@@ -299,3 +304,17 @@ def test_calibration_and_grad_norm_count_the_experts():
     expected = sum(float((o.sketch_matrices().double() @ o.projection.double().T).square().sum())
                    for _, o in rgc.sketched_weights(model))
     assert abs(float(grad_norm(optimizer)) ** 2 - expected) <= 1e-4 * expected
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_save_pretrained_of_a_wrapped_model_is_a_vanilla_checkpoint(family, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = rgc.wrap(tiny_moe(family, torch.bfloat16), rank=4)
+    with torch.no_grad():
+        model.model.layers[0].mlp.experts.down_proj.add_(0.5)
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert not rgc.sketched_weights(reloaded)
+    state = reloaded.state_dict()
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())

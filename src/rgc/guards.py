@@ -11,9 +11,6 @@ Each check raises before any weight changes, with what to do instead:
   - a non-rgc optimizer (e.g. ``torch.optim.AdamW``, transformers' default) that holds a
     trainable compressed weight: such a weight has no ``.grad`` (its gradient is the sketch),
     so the optimizer would change nothing while the sketches pile up;
-  - an rgc optimizer stepping a sketched weight that has a dense ``.grad``: something computed
-    with the weight outside its sketching layer (a custom MoE kernel in place of the experts
-    forward, ``F.linear(x, layer.weight)``), so the sketch is missing that contribution;
   - an rgc optimizer stepping a compressed weight whose dtype is not BF16/FP32 (e.g.
     ``model.to(torch.float16)`` after :func:`rgc.wrap`);
   - the first step of any optimizer while a wrapped model holds peft adapter layers around
@@ -122,13 +119,6 @@ def _step_guard(optimizer, args, kwargs) -> None:
                     "Use rgc.RGCOptimizer or rgc.RowAdam for the compressed weights (with "
                     "transformers/TRL: rgc.integrations.with_rgc(TrainerClass)(...), which "
                     "builds one), or rgc.unwrap(model) to train densely")
-            if is_rgc and p.grad is not None:
-                raise RuntimeError(
-                    f"the weight of a {_describe(layer)} has a dense .grad: it was used outside "
-                    "its sketching layer (e.g. a custom or hub MoE kernel computing the experts "
-                    "instead of the experts module's forward, or F.linear on the weight), so its "
-                    "sketch misses that use. Run the model's own forward (no kernelize of the "
-                    "MoE block), or rgc.unwrap(model) to train densely")
             if is_rgc and p.dtype not in SUPPORTED_WEIGHT_DTYPES:
                 raise TypeError(
                     f"a compressed weight ({_describe(layer)}) has dtype "

@@ -118,6 +118,14 @@ class ExpertWeight(SketchedWeight):
                                persistent=False)
         self._new_sketch_slot()
         self._register()
+        self._guard_dense_gradient()
+
+    def _guard_dense_gradient(self) -> None:
+        """Refuse, in backward, a dense gradient of the weight: a use of the expert weights
+        outside the sketched forward (a hub or custom kernel computing the MoE block), whose
+        contribution the sketch would miss. Copies and pickles drop tensor hooks;
+        :meth:`_attach` adds it again."""
+        self._grad_guard = self.weight.register_hook(_refuse_dense_gradient)
 
     @property
     def module(self) -> nn.Module:
@@ -147,6 +155,7 @@ class ExpertWeight(SketchedWeight):
         self._module = weakref.ref(module)
         self._register()
         self._new_sketch_slot()
+        self._guard_dense_gradient()
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -154,11 +163,25 @@ class ExpertWeight(SketchedWeight):
         # hook points at this owner, a copy gets its own
         state.pop("_module", None)
         state.pop("_sketch_slot", None)
+        state.pop("_grad_guard", None)
         return state
 
     def __repr__(self) -> str:
         return (f"ExpertWeight({self.name!r}, experts={self.num_matrices}, d={self.out_features},"
                 f" k={self.in_features}, rank={self.rank})")
+
+
+def _refuse_dense_gradient(grad: torch.Tensor | None) -> None:
+    # autograd calls the hook with None for the weight the sketched Function saw (it returns
+    # no weight gradient); a tensor is a dense gradient on its way to .grad
+    if grad is None:
+        return
+    raise RuntimeError(
+        f"a sketched expert weight {tuple(grad.shape)} received a dense gradient: something "
+        "computed with it outside the experts module's forward (a hub or custom MoE kernel, "
+        "e.g. after kernelize(model), or a direct use of the Parameter), and the sketch would "
+        "miss that use. Run the model's own experts forward, or rgc.unwrap(model) to train the "
+        "experts densely")
 
 
 def _rebuild(base: type) -> nn.Module:
@@ -273,6 +296,7 @@ def unsketch_experts(module: nn.Module) -> None:
     """Give a sketched experts module back its class; drop projections and pending sketches."""
     for name, owner in module.rgc_owners.items():
         owner.sketch = None
+        owner._grad_guard.remove()
         unregister_owner(owner.weight, owner)
         buffer = _projection_buffer(name)
         del module._buffers[buffer]
