@@ -312,9 +312,10 @@ def sketched_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
 
     ``hidden_states`` [n, H]; ``top_k_index`` [n, K] (int, expert of each of a token's K
     slots) and ``top_k_weights`` [n, K] (routing weights). Returns [n, H] in the input's dtype.
-    The rows are sorted by expert (stable), run through the up (gate/up) weight, its bias, the
-    module's own gate/activation, the down weight, its bias and optional post-expert norm, then
-    weighted and summed per token, in transformers' ``grouped_mm`` order.
+    The rows are sorted by expert (``torch.sort``, as transformers' ``grouped_mm``
+    implementation sorts them, so the outputs are its outputs bit for bit), run through the up
+    (gate/up) weight, its bias, the module's own gate/activation, the down weight, its bias and
+    optional post-expert norm, then weighted and summed per token in the same order.
     """
     up_name, down_name = expert_weight_names(module)
     up, down = getattr(module, up_name), getattr(module, down_name)
