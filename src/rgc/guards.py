@@ -96,6 +96,13 @@ def _peft_around_compressed() -> str | None:
     return None
 
 
+def _describe(owner) -> str:
+    if owner.num_matrices == 1:
+        return f"CompressedLinear ({owner.out_features} x {owner.in_features})"
+    return (f"sketched expert stack ({owner.num_matrices} experts of {owner.out_features} x "
+            f"{owner.in_features})")
+
+
 def _step_guard(optimizer, args, kwargs) -> None:
     # rgc's optimizers say so with a class attribute: importing rgc.optim here would be a cycle
     is_rgc = getattr(optimizer, "updates_sketched_weights", False)
@@ -106,15 +113,15 @@ def _step_guard(optimizer, args, kwargs) -> None:
                 continue
             if not is_rgc and p.requires_grad:
                 raise RuntimeError(
-                    f"{type(optimizer).__name__} is stepping the weight of a CompressedLinear "
-                    f"({layer.out_features} x {layer.in_features}); a compressed weight has no "
+                    f"{type(optimizer).__name__} is stepping the weight of a "
+                    f"{_describe(layer)}; a compressed weight has no "
                     ".grad (its gradient is the sketch), so this optimizer would change nothing. "
                     "Use rgc.RGCOptimizer or rgc.RowAdam for the compressed weights (with "
                     "transformers/TRL: rgc.integrations.with_rgc(TrainerClass)(...), which "
                     "builds one), or rgc.unwrap(model) to train densely")
             if is_rgc and p.dtype not in SUPPORTED_WEIGHT_DTYPES:
                 raise TypeError(
-                    f"a compressed weight ({layer.out_features} x {layer.in_features}) has dtype "
+                    f"a compressed weight ({_describe(layer)}) has dtype "
                     f"{p.dtype}; rgc updates {SUPPORTED_WEIGHT_DTYPES} weights only (was the "
                     "model converted after rgc.wrap?). Convert it back, e.g. "
                     "model.to(torch.bfloat16), before optimizer.step()")

@@ -8,6 +8,15 @@ import torch
 import torch.nn as nn
 
 from rgc.autograd import SketchedLinearFunction, linear_in
+from rgc.coverage import warn_coverage_gap
+from rgc.experts import (
+    expert_weight_names,
+    is_sketched_experts,
+    router_modules,
+    sketch_experts,
+    unsketch_experts,
+)
+from rgc.experts.module import check_experts
 from rgc.guards import check_wrap_targets, install_step_guard, register_wrapped
 from rgc.projection import check_rank
 from rgc.registry import SUPPORTED_WEIGHT_DTYPES, register_owner, sketched_owner_of
@@ -157,6 +166,50 @@ def compressed_layers(model: nn.Module) -> list[tuple[str, CompressedLinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, CompressedLinear)]
 
 
+def sketched_weights(model: nn.Module) -> list[tuple[str, SketchedWeight]]:
+    """``(qualified parameter name, owner)`` for every sketched weight of ``model``.
+
+    Owners are :class:`CompressedLinear` layers (``<name>.weight``) and the
+    :class:`rgc.experts.ExpertWeight` owners of sketched experts (``<name>.gate_up_proj``, ...),
+    in module order.
+    """
+    out = []
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, CompressedLinear):
+            out.append((f"{prefix}weight", module))
+        elif is_sketched_experts(module):
+            out += [(f"{prefix}{w}", owner) for w, owner in module.rgc_owners.items()]
+    return out
+
+
+def _chosen_experts(model: nn.Module, targets) -> list[tuple[str, nn.Module, list[str]]]:
+    """``(module name, experts module, [weight names])`` of the expert weights ``targets`` picks.
+
+    An expert weight is matched like a module, by its qualified name
+    (``model.layers.0.mlp.experts.gate_up_proj``) or its last component (``gate_up_proj``,
+    ``down_proj``: both in :data:`DEFAULT_TARGETS`); a predicate gets ``(name, experts module)``.
+    An explicit target naming the experts module itself picks all its expert weights.
+    """
+    chosen = []
+    for name, module in model.named_modules():
+        weights = expert_weight_names(module)
+        if weights is None:
+            continue
+        picked = (list(weights) if _matches(targets, name, module) and targets is not None
+                  else [w for w in weights if _matches(targets, f"{name}.{w}", module)])
+        if picked:
+            chosen.append((name, module, picked))
+    return chosen
+
+
+def router_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of the routers of the model's mixture-of-experts blocks."""
+    routers = router_modules(model)
+    return [(f"{n}.{pn}", p) for n, m in model.named_modules() if id(m) in routers
+            for pn, p in m.named_parameters(recurse=False)]
+
+
 #: ``wrap(..., preset=name)``: the projection kind and refresh schedule of each method.
 PRESETS = {
     "rgc": {"projection": "orthonormal", "refresh": "every_step"},
@@ -166,28 +219,43 @@ PRESETS = {
 
 def wrap(model: nn.Module, rank: int, *, targets: Targets = None,
          projection: str | None = None, refresh=None, seed: int = 0,
-         freeze_others: bool = True, preset: str = "rgc") -> nn.Module:
-    """Replace the target ``nn.Linear`` layers of ``model`` by CompressedLinear, in place.
+         freeze_others: bool = True, preset: str = "rgc",
+         train_routers: bool = False) -> nn.Module:
+    """Sketch the target weights of ``model`` in place: linear layers and expert stacks.
+
+    Target ``nn.Linear`` layers become :class:`CompressedLinear`; the target 3-D expert weights
+    of transformers' mixture-of-experts ``Experts`` modules (``gate_up_proj``, ``down_proj``)
+    are sketched per expert by :func:`rgc.experts.sketch_experts` (the module keeps its
+    Parameters and state-dict keys; its class gains the sketched forward).
 
     Args:
         model: any ``nn.Module``; it is modified in place and returned.
         rank: sketch rank ``r`` for every target.
         targets: ``None`` for :data:`DEFAULT_TARGETS` (matched on the last name component),
             a list of names (last component or fully qualified), or a predicate
-            ``(qualified_name, module) -> bool``.
+            ``(qualified_name, module) -> bool``. Expert weights are matched by their
+            parameter names (``...experts.gate_up_proj``; a predicate gets the experts module).
         projection: 'orthonormal', 'rademacher' or 'gaussian'; default from ``preset``.
         refresh: 'every_step' (new P after every update), 'never', or N (every N updates);
             default from ``preset``.
         seed: every layer's seed is derived from it and the layer's qualified name.
         freeze_others: set ``requires_grad=False`` on every parameter outside the targets.
-            A target's bias keeps its ``requires_grad``; the target weights are made trainable.
+            A target's bias (expert biases included) keeps its ``requires_grad``; the target
+            weights are made trainable.
         preset: 'rgc' (orthonormal P, refreshed every step) or 'logra' (Rademacher P, fixed);
             see :data:`PRESETS`. Explicit ``projection``/``refresh`` override it.
+        train_routers: the routers of mixture-of-experts blocks (:func:`router_parameters`)
+            are frozen by default (``requires_grad=False`` whatever ``freeze_others`` says);
+            ``True`` makes them trainable with ordinary gradients (the optimizer's dense
+            rule).
 
     All checks run before the model is touched. The weights are shared, not copied, and the
-    wrapped model's ``state_dict()`` has the same keys as the original.
+    wrapped model's ``state_dict()`` has the same keys and tensors as the original. With the
+    default targets, a ``UserWarning`` names the matrices left frozen when they hold more than
+    :data:`rgc.coverage.COVERAGE_WARN_SHARE` of the parameters; :func:`rgc.wrap_summary`
+    tells what is trained.
     """
-    if compressed_layers(model):
+    if sketched_weights(model):
         raise ValueError("the model is already wrapped; call rgc.unwrap(model) before wrapping "
                          "it again")
     if preset not in PRESETS:
@@ -197,14 +265,19 @@ def wrap(model: nn.Module, rank: int, *, targets: Targets = None,
     check_refresh(refresh)
     linear_names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                            if isinstance(m, nn.Linear)})
-    chosen = [(n, m) for n, m in model.named_modules() if n and _matches(targets, n, m)]
-    if not chosen:
+    chosen = [(n, m) for n, m in model.named_modules()
+              if n and expert_weight_names(m) is None and _matches(targets, n, m)]
+    experts = _chosen_experts(model, targets)
+    if not chosen and not experts:
         shown = DEFAULT_TARGETS if targets is None else targets
         if not callable(shown):
             shown = sorted(shown)
         raise ValueError(f"targets {shown!r} matched no module; the model's nn.Linear layers "
                          f"are named {linear_names}")
-    check_wrap_targets(model, chosen)
+    routers = router_parameters(model)
+    if train_routers and not routers:
+        raise ValueError("train_routers=True, but the model has no mixture-of-experts router")
+    check_wrap_targets(model, chosen + [(n, m) for n, m, _ in experts])
     for name, module in chosen:
         if not isinstance(module, nn.Linear):
             hint = (" (transformers' GPT-2 Conv1D stores W transposed and is not supported; "
@@ -216,28 +289,45 @@ def wrap(model: nn.Module, rank: int, *, targets: Targets = None,
             raise TypeError(f"target {name!r} has weight dtype {module.weight.dtype}; supported: "
                             f"{SUPPORTED_WEIGHT_DTYPES}. Convert the model first.")
         check_rank(projection, module.in_features, rank)
+    for name, module, weights in experts:
+        check_experts(name, module, weights, rank, projection)
 
-    bias_trainable = {name: m.bias is not None and m.bias.requires_grad for name, m in chosen}
+    biases = [m.bias for _, m in chosen if m.bias is not None]
+    biases += [getattr(m, f"{w}_bias") for _, m, ws in experts if m.has_bias for w in ws]
+    bias_trainable = [p.requires_grad for p in biases]
     if freeze_others:
         for p in model.parameters():
             p.requires_grad_(False)
+    for p, trainable in zip(biases, bias_trainable, strict=True):
+        p.requires_grad_(trainable)
+    for _, p in routers:
+        p.requires_grad_(train_routers)
     for name, module in chosen:
-        if module.bias is not None:
-            module.bias.requires_grad_(bias_trainable[name])
         module.weight.requires_grad_(True)
         layer = CompressedLinear.from_linear(module, rank, projection=projection,
                                              refresh=refresh, seed=derive_seed(seed, name))
         _set_submodule(model, name, layer)
+    for name, module, weights in experts:
+        for w in weights:
+            getattr(module, w).requires_grad_(True)
+        sketch_experts(module, {w: derive_seed(seed, f"{name}.{w}") for w in weights},
+                       rank=rank, projection=projection, refresh=refresh)
     register_wrapped(model)
+    if targets is None:
+        warn_coverage_gap(model)
     return model
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """Replace every CompressedLinear by a plain ``nn.Linear`` sharing its trained weight.
+    """Replace every CompressedLinear by a plain ``nn.Linear`` sharing its trained weight, and
+    give every sketched experts module its original class (and so its original forward).
 
-    Pending sketches are dropped; ``requires_grad`` flags are left as they are.
-    Returns ``model`` (modified in place).
+    Pending sketches and projections are dropped; ``requires_grad`` flags are left as they
+    are. Returns ``model`` (modified in place).
     """
+    for _, module in model.named_modules():
+        if is_sketched_experts(module):
+            unsketch_experts(module)
     for name, layer in compressed_layers(model):
         linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
                            device="meta")

@@ -31,6 +31,13 @@ def register_owner(weight: torch.Tensor, owner) -> None:
     _OWNERS[key] = (weakref.ref(weight, lambda _: _OWNERS.pop(key, None)), weakref.ref(owner))
 
 
+def unregister_owner(weight: torch.Tensor, owner) -> None:
+    """Forget that ``owner`` sketches ``weight`` (a no-op if another owner took its place)."""
+    entry = _OWNERS.get(id(weight))
+    if entry is not None and entry[0]() is weight and entry[1]() is owner:
+        del _OWNERS[id(weight)]
+
+
 def sketched_owner_of(param: torch.Tensor):
     """The owner (a :class:`rgc.sketched.SketchedWeight`) whose weight is ``param``, or ``None``."""
     entry = _OWNERS.get(id(param))
