@@ -12,10 +12,19 @@ from rgc.updates import DenseUpdate, StackUpdate
 def sketch_norm(sketch: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     """``||C P^T||_F`` from the r x r Gram ``P^T P`` without forming ``C P^T``. 0-dim FP32.
 
-    ``||H||_F^2 = trace(C (P^T P) C^T)``; C: d x r FP32, P: k x r.
+    ``||H||_F^2 = trace(C (P^T P) C^T)``; C: d x r FP32 (or a stack ``[E, d, r]``: the norm of
+    the whole stack), P: k x r.
     """
-    h2, _ = ops.sketch_stats([sketch.reshape(1, *sketch.shape[-2:])], [projection])
-    return sqrt32(h2[0, 0])
+    h2, _ = ops.sketch_stats([sketch.reshape(-1, *sketch.shape[-2:])], [projection])
+    return sqrt32(h2.sum())
+
+
+EXPERT_NORMS = ("stack", "expert")
+
+
+def check_expert_norm(expert_norm) -> None:
+    if expert_norm not in EXPERT_NORMS:
+        raise ValueError(f"expert_norm must be one of {EXPERT_NORMS}, got {expert_norm!r}")
 
 
 def sqrt32(x: torch.Tensor) -> torch.Tensor:
@@ -77,6 +86,12 @@ class RGCOptimizer(SketchOptimizer):
         step_control: e.g. :class:`rgc.PredictedKL`; scales each step's updates by one alpha.
         keep_updates: keep the last step's factors for :meth:`export_update` (policy sync).
         maximize: step along ``+H`` (ascend the objective) instead of ``-H``.
+        expert_norm: the normalisation of a stack of experts (a 3-D expert weight):
+            ``'stack'`` (default) takes ``||W||`` and ``||H||`` of the whole stack, one
+            coefficient for all its experts, as normalised SGD on the tensor; ``'expert'``
+            normalises every expert by its own norms, which gives an expert that saw one token
+            a full step. An expert that received no token (``C_e = 0``) is not updated under
+            either rule: its bits are kept.
 
     **Dtypes.** Weights of compressed layers are BF16 or FP32. Any other real parameter is
     updated with FP32 arithmetic: an FP64 parameter receives an FP32-computed value each step
@@ -89,11 +104,17 @@ class RGCOptimizer(SketchOptimizer):
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, *, chunk_rows: int = 128,
                  stochastic_rounding: bool = True, seed: int = 0, step_control=None,
-                 keep_updates: bool = False, maximize: bool = False):
+                 keep_updates: bool = False, maximize: bool = False,
+                 expert_norm: str = "stack"):
         check_common_args(lr, chunk_rows, seed)
+        check_expert_norm(expert_norm)
         defaults = dict(lr=lr, chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding,
-                        seed=seed, maximize=maximize)
+                        seed=seed, maximize=maximize, expert_norm=expert_norm)
         super().__init__(params, defaults, step_control=step_control, keep_updates=keep_updates)
+
+    def _check_group(self, group: dict) -> None:
+        super()._check_group(group)
+        check_expert_norm(group.setdefault("expert_norm", "stack"))
 
     def _propose_stack(self, entries, group) -> StackUpdate:
         owners = [e.owner for e in entries]
@@ -101,7 +122,16 @@ class RGCOptimizer(SketchOptimizer):
         h2, finite = ops.sketch_stats(sketches, [o.projection for o in owners])
         self._count_skips(entries, finite)
         w2 = self._weight_sq_norms(entries, group["chunk_rows"])
-        coefs, active = normalized_coef(w2, h2, group_lr(group, h2.device), finite)
+        lr = group_lr(group, h2.device)
+        if h2.shape[1] > 1 and group.get("expert_norm", "stack") == "stack":
+            # one coefficient per stack, from the norms of the whole stack (finite experts)
+            coef, _ = normalized_coef(w2.sum(1, keepdim=True),
+                                      torch.where(finite, h2, 0.0).sum(1, keepdim=True), lr,
+                                      finite.any(1, keepdim=True))
+            active = finite & (h2 > 0)
+            coefs = torch.where(active, coef, 0.0)
+        else:
+            coefs, active = normalized_coef(w2, h2, lr, finite)
         if group["maximize"]:
             coefs = -coefs
         return self._stack_update(entries, group, sketches, coefs, None, active,
