@@ -37,9 +37,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim import Optimizer
 
-from rgc.nn import CompressedLinear, compressed_layer_of
+from rgc.nn import compressed_layer_of
 from rgc.optim.base import Entry, group_lr, rounding_seed
 from rgc.optim.rgc import RGCOptimizer, normalized_coef
+from rgc.registry import sketched_owner_of
 from rgc.seeding import derive_seed
 from rgc.updates import apply_dense_update_, apply_lowrank_update_, sum_squares
 
@@ -88,7 +89,7 @@ def _params_of(obj) -> list[torch.Tensor]:
 def _fingerprint(obj) -> list[int]:
     """One integer per field of ``_FINGERPRINT_FIELDS``, each in [0, 2**63)."""
     params = _params_of(obj)
-    layers = [(i, compressed_layer_of(p)) for i, p in enumerate(params)]
+    layers = [(i, sketched_owner_of(p)) for i, p in enumerate(params)]
     layers = [(i, layer) for i, layer in layers if layer is not None]
     shapes = derive_seed(len(params), *[x for p in params for x in (p.dim(), *p.shape)])
     seeds = derive_seed(len(layers), *[x for i, layer in layers for x in (i, layer.seed)])
@@ -206,8 +207,8 @@ def _all_reduce_mean(slots: list[_Slot], group, bucket_bytes: int) -> int:
     return sent
 
 
-def _sketch_slot(layer: CompressedLinear) -> _Slot:
-    return _Slot(layer.sketch, (layer.out_features, layer.rank), torch.float32,
+def _sketch_slot(layer) -> _Slot:
+    return _Slot(layer.sketch, tuple(layer.sketch_shape), torch.float32,
                  layer.weight.device, lambda t: setattr(layer, "sketch", t))
 
 
@@ -220,7 +221,7 @@ def _replicated_slots(params: list[torch.Tensor]) -> list[_Slot]:
     for p in params:
         if isinstance(p, DTensor) or not p.requires_grad:
             continue
-        layer = compressed_layer_of(p)
+        layer = sketched_owner_of(p)
         if layer is None:
             slots.append(_grad_slot(p))
             continue
@@ -288,7 +289,7 @@ def _check_sharded(p: DTensor) -> None:
             f"Shard(0)); got placements {tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh")
 
 
-def _reduce_scatter_rows(items: list[tuple[DTensor, CompressedLinear]], group,
+def _reduce_scatter_rows(items: list[tuple[DTensor, object]], group,
                          bucket_bytes: int) -> tuple[dict[int, torch.Tensor], int]:
     """Sum the sketches over ranks and keep this rank's rows, divided by the world size.
 
@@ -376,6 +377,13 @@ class DistributedRGCOptimizer(RGCOptimizer):
         sharded = [p for p in _params_of(self) if isinstance(p, DTensor)]
         for p in sharded:
             _check_sharded(p)
+            owner = sketched_owner_of(p)
+            if owner is not None and owner.num_matrices > 1:
+                raise NotImplementedError(
+                    f"a sketched stack of {owner.num_matrices} experts is sharded by FSDP2 "
+                    "(fully_shard); DistributedRGCOptimizer updates expert stacks under data "
+                    "parallel only: leave the experts modules out of fully_shard, or train "
+                    "them on one process")
         if any(p.device_mesh != sharded[0].device_mesh for p in sharded):
             raise NotImplementedError("all sharded parameters must share one device mesh")
         self._mesh_group = sharded[0].device_mesh.get_group() if sharded else None
@@ -385,7 +393,7 @@ class DistributedRGCOptimizer(RGCOptimizer):
     def _init_state(self, p, layer):
         # Always with the layer's seed and version: torch.distributed.checkpoint builds its load
         # template from a step with zero dense gradients, and loads only the keys it finds there.
-        return super()._init_state(p, layer if layer is not None else compressed_layer_of(p))
+        return super()._init_state(p, layer if layer is not None else sketched_owner_of(p))
 
     @torch.no_grad()
     def step(self, closure=None):
