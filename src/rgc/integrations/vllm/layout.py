@@ -63,17 +63,31 @@ def _matrix_shape(shape) -> tuple[int, int]:
     return (shape[0], math.prod(shape[1:])) if len(shape) > 1 else (shape[0], 1)
 
 
+_QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
+
+
 def _resolve(model: nn.Module, name: str) -> tuple[nn.Module, str, int | None, str]:
-    """``(module, attribute, index among the fused sub-layers or None, engine name)``."""
+    """``(module, attribute, index among the fused sub-layers or None, engine name)``.
+
+    Names go through the model's ``hf_to_vllm_mapper`` (whose stacked entries name the fused
+    layer and the shard, as vLLM's weight loader reads them), then its
+    ``packed_modules_mapping``.
+    """
     mapper = getattr(model, "hf_to_vllm_mapper", None)
-    mapped = mapper.map_name(name) if mapper is not None else name
-    if mapped is None:
-        raise KeyError(f"the engine's model drops {name!r} when it loads weights")
+    mapped, shard = name, None
+    if mapper is not None:
+        result = mapper._map_name_with_shard(name)
+        if result is None:
+            raise KeyError(f"the engine's model drops {name!r} when it loads weights")
+        mapped, shard = result
+    if isinstance(shard, list):
+        raise KeyError(f"{name!r} is loaded into several shards {shard}; rgc cannot update it")
+    index = _QKV_SHARDS.get(shard, shard)
     path, _, attr = mapped.rpartition(".")
     try:
         module = model.get_submodule(path)
         if isinstance(getattr(module, attr, None), torch.Tensor):
-            return module, attr, None, mapped
+            return module, attr, index, mapped
     except AttributeError:
         pass
     parent, _, leaf = path.rpartition(".")
