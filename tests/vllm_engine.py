@@ -15,6 +15,9 @@ import torch
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 PROMPTS = ["0123", "abc", "Zy9", "hello"]
+# Deleting an in-process engine tears down vLLM's process-wide parallel groups, which the
+# other engines of the process use: they all live until the process exits.
+_ENGINES = []
 
 
 def build_tokenizer():
@@ -74,8 +77,10 @@ def start_engine(path: Path, dtype: torch.dtype, *, extension: bool = True, **kw
             str(c) for c in sorted(cores)[:kwargs["tensor_parallel_size"]]))
     if extension:
         kwargs["worker_extension_cls"] = "rgc.integrations.vllm.RGCWorkerExtension"
-    return LLM(model=str(path), dtype=str(dtype).removeprefix("torch."), enforce_eager=True,
-               max_model_len=64, kv_cache_memory_bytes=16 << 20, seed=0, **kwargs)
+    llm = LLM(model=str(path), dtype=str(dtype).removeprefix("torch."), enforce_eager=True,
+              max_model_len=64, kv_cache_memory_bytes=16 << 20, seed=0, **kwargs)
+    _ENGINES.append(llm)
+    return llm
 
 
 def greedy(llm, prompts=PROMPTS, tokens=6):
