@@ -11,27 +11,27 @@ model predicts.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+import tests.vllm_engine  # noqa: F401  (before vLLM: its logging set-up)
+
 pytest.importorskip("vllm")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import rgc  # noqa: E402
 from rgc.integrations.vllm import push_update, push_weights, read_weights  # noqa: E402
 from tests.vllm_engine import (  # noqa: E402
-    PROMPTS,
+    DENSE,
+    assert_generations_match_trainer,
     greedy,
     load_trainer,
+    make_trainer,
     save_base,
     start_engine,
+    train_step,
 )
 
 STEPS = 20
-DENSE = ("model.embed_tokens.weight", "model.norm.weight",
-         "model.layers.0.self_attn.q_norm.weight")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -79,35 +79,6 @@ def assert_engine_equals(llm, model, when):
         assert torch.equal(engine[name], p.detach()), f"{name} differs {when}"
 
 
-def make_trainer(base, dtype, opt_name):
-    model = load_trainer(base, dtype)
-    rgc.wrap(model, rank=8, seed=3, preset="rgc" if opt_name == "rgc" else "logra")
-    for name in DENSE:
-        model.get_parameter(name).requires_grad_(True)
-    if opt_name == "rgc":
-        opt = rgc.RGCOptimizer(model.parameters(), lr=3e-2, chunk_rows=24, keep_updates=True)
-    else:
-        opt = rgc.RowAdam(model.parameters(), lr=1e-2, weight_decay=0.1, chunk_rows=24,
-                          keep_updates=True)
-    return model, opt
-
-
-def train_step(model, opt, step):
-    ids = torch.randint(4, model.config.vocab_size, (4, 12),
-                        generator=torch.Generator().manual_seed(step))
-    opt.zero_grad()
-    model(ids, labels=ids).loss.backward()
-    opt.step()
-
-
-@torch.no_grad()
-def trainer_logprobs(model, tokenizer_ids, completion):
-    """log p(completion token | prefix) under the trainer model (FP32 log-softmax)."""
-    ids = torch.tensor([tokenizer_ids + completion[:-1]])
-    logits = model(ids).logits[0, len(tokenizer_ids) - 1:].float()
-    return torch.log_softmax(logits, -1), logits
-
-
 @pytest.mark.parametrize("opt_name", ["rgc", "rowadam"])
 def test_engine_weights_and_generations_follow_the_trainer(setup, opt_name, tmp_path):
     base, dtype, llm = setup
@@ -138,18 +109,9 @@ def test_engine_weights_and_generations_follow_the_trainer(setup, opt_name, tmp_
     (tmp_path / "trained" / "tokenizer_config.json").write_bytes(
         (base / "tokenizer_config.json").read_bytes())
     assert greedy(start_engine(tmp_path / "trained", dtype)) == synced
-    # ... and what the trainer model predicts (the engine's kernels differ from transformers':
-    # logprobs agree to a tolerance, and each greedy token is the trainer's argmax unless the
-    # trainer's top two are closer than that tolerance)
-    tol = 2e-4 if dtype == torch.float32 else 6e-2
-    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(base)
-    for prompt, (ids, lps) in zip(PROMPTS, synced):
-        prompt_ids = tokenizer(prompt)["input_ids"]
-        logp, logits = trainer_logprobs(model, prompt_ids, ids)
-        for i, (t, lp) in enumerate(zip(ids, lps)):
-            assert abs(logp[i, t].item() - lp) < tol, (prompt, i)
-            top2 = logits[i].topk(2).values
-            assert t == int(logits[i].argmax()) or (top2[0] - top2[1]).item() < tol
+    # ... and what the trainer model predicts
+    assert_generations_match_trainer(model, base, synced,
+                                     tol=2e-4 if dtype == torch.float32 else 6e-2)
 
 
 def test_refused_payloads_leave_the_engine_unchanged(setup):

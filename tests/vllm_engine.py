@@ -12,9 +12,14 @@ from pathlib import Path
 
 import torch
 
+# vLLM's own log handler would outlive pytest's captured streams (errors at exit)
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 PROMPTS = ["0123", "abc", "Zy9", "hello"]
+DENSE = ("model.embed_tokens.weight", "model.norm.weight",
+         "model.layers.0.self_attn.q_norm.weight")
 # Deleting an in-process engine tears down vLLM's process-wide parallel groups, which the
 # other engines of the process use: they all live until the process exits.
 _ENGINES = []
@@ -68,13 +73,17 @@ def load_trainer(path: Path, dtype: torch.dtype):
 
 
 def start_engine(path: Path, dtype: torch.dtype, *, extension: bool = True, **kwargs):
-    """A ``vllm.LLM`` on the CPU; in this process unless ``tensor_parallel_size`` > 1."""
+    """A ``vllm.LLM`` on the CPU: engine and worker in this process, or with
+    ``tensor_parallel_size`` > 1 an engine process and one worker process per rank (each
+    bound to one core: vLLM's automatic binding wants a NUMA node per rank)."""
     from vllm import LLM
 
-    if kwargs.get("tensor_parallel_size", 1) > 1:
-        cores = os.sched_getaffinity(0)
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
-            str(c) for c in sorted(cores)[:kwargs["tensor_parallel_size"]]))
+    tp = kwargs.get("tensor_parallel_size", 1)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if tp > 1 else "0"
+    if tp > 1:
+        cores = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            str(cores[i % len(cores)]) for i in range(tp))
     if extension:
         kwargs["worker_extension_cls"] = "rgc.integrations.vllm.RGCWorkerExtension"
     llm = LLM(model=str(path), dtype=str(dtype).removeprefix("torch."), enforce_eager=True,
@@ -96,3 +105,46 @@ def greedy(llm, prompts=PROMPTS, tokens=6):
         lps = [step[t].logprob for step, t in zip(out.outputs[0].logprobs, ids)]
         result.append((ids, lps))
     return result
+
+
+def make_trainer(base: Path, dtype: torch.dtype, opt_name: str, *, chunk_rows: int = 24):
+    """The trainer: the checkpoint wrapped by rgc, three dense tensors trained as well."""
+    import rgc
+
+    model = load_trainer(base, dtype)
+    rgc.wrap(model, rank=8, seed=3, preset="rgc" if opt_name == "rgc" else "logra")
+    for name in DENSE:
+        model.get_parameter(name).requires_grad_(True)
+    if opt_name == "rgc":
+        opt = rgc.RGCOptimizer(model.parameters(), lr=3e-2, chunk_rows=chunk_rows,
+                               keep_updates=True)
+    else:
+        opt = rgc.RowAdam(model.parameters(), lr=1e-2, weight_decay=0.1, chunk_rows=chunk_rows,
+                          keep_updates=True)
+    return model, opt
+
+
+def train_step(model, opt, step: int) -> None:
+    ids = torch.randint(4, model.config.vocab_size, (4, 12),
+                        generator=torch.Generator().manual_seed(step))
+    opt.zero_grad()
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+
+
+@torch.no_grad()
+def assert_generations_match_trainer(model, base: Path, generations, tol: float) -> None:
+    """The engine's greedy completions under the trainer model: each token's logprob agrees
+    to ``tol`` (the engine's kernels differ from transformers'), and each token is the
+    trainer's argmax unless the trainer's top two logits are closer than ``tol``."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    for prompt, (ids, lps) in zip(PROMPTS, generations, strict=True):
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        logits = model(torch.tensor([prompt_ids + ids[:-1]])).logits[0, len(prompt_ids) - 1:]
+        logp = torch.log_softmax(logits.float(), -1)
+        for i, (t, lp) in enumerate(zip(ids, lps, strict=True)):
+            assert abs(logp[i, t].item() - lp) < tol, (prompt, i, logp[i, t].item(), lp)
+            top2 = logits[i].float().topk(2).values
+            assert t == int(logits[i].argmax()) or (top2[0] - top2[1]).item() < tol
