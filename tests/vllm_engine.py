@@ -14,6 +14,11 @@ import torch
 
 # vLLM's own log handler would outlive pytest's captured streams (errors at exit)
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+# vLLM reads its settings once per process (after the first engine starts), so they are set
+# here for every engine: each of up to two ranks may use every core of this process (vLLM's
+# automatic binding wants a NUMA node per rank).
+_CORES = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{_CORES}|{_CORES}")
 
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -73,17 +78,13 @@ def load_trainer(path: Path, dtype: torch.dtype):
 
 
 def start_engine(path: Path, dtype: torch.dtype, *, extension: bool = True, **kwargs):
-    """A ``vllm.LLM`` on the CPU: engine and worker in this process, or with
-    ``tensor_parallel_size`` > 1 an engine process and one worker process per rank (each
-    bound to one core: vLLM's automatic binding wants a NUMA node per rank)."""
+    """A ``vllm.LLM`` on the CPU; with ``tensor_parallel_size`` > 1 one worker process per
+    rank. The engine runs in this process if it is the first one of the process and has one
+    rank (vLLM then keeps that setting for the process)."""
     from vllm import LLM
 
     tp = kwargs.get("tensor_parallel_size", 1)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if tp > 1 else "0"
-    if tp > 1:
-        cores = sorted(os.sched_getaffinity(0))
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-            str(cores[i % len(cores)]) for i in range(tp))
     if extension:
         kwargs["worker_extension_cls"] = "rgc.integrations.vllm.RGCWorkerExtension"
     llm = LLM(model=str(path), dtype=str(dtype).removeprefix("torch."), enforce_eager=True,
