@@ -63,7 +63,7 @@ class Engine:
                     "results"]
             return self.llm.collective_rpc(method, args=args)
         except Exception as e:
-            if "rgc_" in str(e) or isinstance(e, AttributeError):
+            if isinstance(e, AttributeError) or f"no attribute '{method}'" in str(e):
                 raise RuntimeError(
                     f"the engine has no rgc receiver ({type(e).__name__}: {e}); start it with "
                     f"worker_extension_cls={_EXTENSION!r} (vllm serve: --worker-extension-cls "
