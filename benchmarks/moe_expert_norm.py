@@ -67,7 +67,7 @@ def tiny_moe(seed: int):
     return Qwen3MoeForCausalLM(config).to(torch.bfloat16)
 
 
-def run(rule: str, seed: int, steps: int, tau_scale: float) -> dict:
+def run(rule: str, seed: int, steps: int, tau_scale: float, batch: int) -> dict:
     probs, entropy = markov_chain(seed)
     model = tiny_moe(seed)
     rgc.wrap(model, rank=8, seed=seed)
@@ -78,7 +78,7 @@ def run(rule: str, seed: int, steps: int, tau_scale: float) -> dict:
     experts = [p for n, p in model.named_parameters() if p.dim() == 3]
     moves = []
     for _ in range(steps):
-        ids = sample(probs, 16, 24, gen)
+        ids = sample(probs, batch, 24, gen)
         before = [p.detach().float().clone() for p in experts]
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
@@ -89,7 +89,7 @@ def run(rule: str, seed: int, steps: int, tau_scale: float) -> dict:
     with torch.no_grad():
         loss = float(model(input_ids=held_out, labels=held_out).loss)
     moved = [m for m in moves if m > 0]
-    return dict(rule=rule, seed=seed, steps=steps, tau=tau, held_out_loss=loss,
+    return dict(rule=rule, seed=seed, batch=batch, steps=steps, tau=tau, held_out_loss=loss,
                 excess_over_entropy=loss - entropy,
                 expert_step_p10=statistics.quantiles(moved, n=10)[0] if moved else 0.0,
                 expert_step_p90=statistics.quantiles(moved, n=10)[-1] if moved else 0.0)
@@ -100,21 +100,25 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--tau-scale", type=float, default=1.0)
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 2],
+                        help="sequences of 24 tokens per step (2: some experts see few tokens)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    rows = [run(rule, seed, args.steps, args.tau_scale) for seed in args.seeds
-            for rule in ("stack", "expert")]
-    by_rule = {rule: [r["excess_over_entropy"] for r in rows if r["rule"] == rule]
-               for rule in ("stack", "expert")}
+    rows = [run(rule, seed, args.steps, args.tau_scale, batch) for batch in args.batches
+            for seed in args.seeds for rule in ("stack", "expert")]
+    by_rule = {(rule, b): [r["excess_over_entropy"] for r in rows
+                           if r["rule"] == rule and r["batch"] == b]
+               for b in args.batches for rule in ("stack", "expert")}
     notes = (f"Tiny Qwen3-MoE (8 experts, top-2, hidden 64, BF16), RGC r=8, tau = "
-             f"{args.tau_scale} x calibrate_lr(adamw_lr=1e-3), {args.steps} steps of 16 x 24 "
-             "tokens from a random Markov chain; held-out loss on 32 x 24 tokens, minus the "
-             "chain's entropy rate (the floor). expert_step_p10/p90: the 10th and 90th "
-             "percentiles over experts and steps of ||dW_e|| / ||W_e|| (updated experts only). "
+             f"{args.tau_scale} x calibrate_lr(adamw_lr=1e-3), {args.steps} steps of "
+             "(batch) x 24 tokens from a random Markov chain; held-out loss on 32 x 24 "
+             "tokens, minus the chain's entropy rate (the floor). expert_step_p10/p90: the "
+             "10th and 90th percentiles over experts and steps of ||dW_e|| / ||W_e|| "
+             "(updated experts only). "
              "Mean excess: " + ", ".join(
-                 f"{rule} {statistics.mean(v):.4f} (seeds {', '.join(f'{x:.4f}' for x in v)})"
-                 for rule, v in by_rule.items()) + ".")
+                 f"{rule} at batch {b}: {statistics.mean(v):.4f} (seeds "
+                 f"{', '.join(f'{x:.4f}' for x in v)})" for (rule, b), v in by_rule.items()) + ".")
     kwargs = {} if args.out is None else dict(directory=args.out)
     write_results("moe_expert_norm", rows, title="RGC on a stack of experts: stack vs "
                   "per-expert normalisation", notes=notes, **kwargs)

@@ -21,13 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from rgc import dispatch
 from rgc.integrations.vllm.layout import Piece, locate, piece_fingerprint
 from rgc.projection import PROJECTION_KINDS, make_projection
-from rgc.reference.update import write_rows
-from rgc.seeding import derive_seed
-from rgc.sync import _DTYPES, CHECKSUM_KEY, FORMAT_VERSION, payload_checksum
-from rgc.updates import apply_dense_update_, as_coef
+from rgc.sync import _DTYPES, CHECKSUM_KEY, READ_FORMATS, payload_checksum
+from rgc.updates import apply_dense_update_, apply_lowrank_update_
 
 _FIELDS = {"lowrank": {"factor", "coef", "decay", "seed", "projection", "options", "base",
                        "result"},
@@ -95,9 +92,9 @@ def parse_payload(payload: dict[str, torch.Tensor]) -> tuple[int, list[Entry]]:
     if not isinstance(payload, dict) or "rgc/format" not in payload:
         raise PayloadError("not an rgc sync payload (no 'rgc/format' entry); build it with "
                            "optimizer.export_update(model)")
-    if payload["rgc/format"].tolist() != [FORMAT_VERSION]:
+    if payload["rgc/format"].tolist() not in [[v] for v in READ_FORMATS]:
         raise PayloadError(f"unsupported payload format {payload['rgc/format'].tolist()}; "
-                           f"this rgc reads format [{FORMAT_VERSION}]")
+                           f"this rgc reads formats {list(READ_FORMATS)}")
     checksum = payload.get(CHECKSUM_KEY)
     if (not torch.is_tensor(checksum) or checksum.dtype != torch.uint8
             or tuple(checksum.shape) != (32,)
@@ -111,6 +108,11 @@ def parse_payload(payload: dict[str, torch.Tensor]) -> tuple[int, list[Entry]]:
         if key.startswith("rgc/"):
             continue
         name, sep, field = key.rpartition("/")
+        if field == "stack":
+            raise PayloadError(
+                f"payload entry {name!r} updates a stack of experts; vLLM keeps mixture-of-"
+                "experts weights in its own fused layout, which this receiver does not write "
+                "yet: resync those weights with push_weights(), or train the experts frozen")
         if not sep or field not in _FIELDS["lowrank"] | _FIELDS["dense"]:
             raise PayloadError(f"payload key {key!r} is not '<parameter>/<field>'")
         fields.setdefault(name, set()).add(field)
@@ -169,16 +171,10 @@ def write_chunk(work: torch.Tensor, entry: Entry, row: int, projection) -> None:
         apply_dense_update_(work, values, entry.coef, decay=entry.decay, seed=entry.seed,
                             stochastic_rounding=entry.stochastic_rounding, offset=offset)
         return
-    # rgc.updates.apply_lowrank_update_ without its offset: the decay pass of decay_weight_,
-    # then the low-rank pass, both keyed by the flat index of the chunk's first element.
-    if entry.decay != 0.0:
-        write_rows(work, work.to(torch.float32) * (1.0 - as_coef(entry.decay, work.device)),
-                   seed=derive_seed(entry.seed, "decay"), offset=offset,
-                   stochastic_rounding=entry.stochastic_rounding)
-    if entry.coef != 0.0:
-        dispatch.lowrank_update_(work, values, projection, entry.coef, seed=entry.seed,
-                                 offset=offset, chunk_rows=work.shape[0],
-                                 stochastic_rounding=entry.stochastic_rounding)
+    if entry.coef != 0.0 or entry.decay != 0.0:
+        apply_lowrank_update_(work, values, projection, entry.coef, decay=entry.decay,
+                              seed=entry.seed, offset=offset, chunk_rows=work.shape[0],
+                              stochastic_rounding=entry.stochastic_rounding)
 
 
 def _chunks(piece: Piece, entry: Entry):
