@@ -78,8 +78,9 @@ class RGCOptimizer(SketchOptimizer):
     Args:
         params: iterable of parameters or param groups (as torch.optim).
         lr: ``tau``, the relative step ``||dW|| / ||W||``; see :func:`rgc.calibrate_lr`. A float
-            or a 0-dim tensor (read with ``float()`` at each step, so a scheduler may fill it in
-            place). Default 1e-3, torch.optim's default, for param groups that set their own.
+            or a 0-dim tensor (used on the device, never read on the host, so a scheduler may
+            fill it in place). Default 1e-3, torch.optim's default, for param groups that set
+            their own.
         chunk_rows: rows of H rebuilt at once on the reference path (memory: chunk_rows x k FP32).
         stochastic_rounding: round BF16 weights stochastically (default) or to nearest.
         seed: key of the rounding bits.

@@ -72,7 +72,8 @@ class RowAdam(SketchOptimizer):
 
     Args:
         params: parameters or param groups (as torch.optim).
-        lr: step size (Adam's): a float or a 0-dim tensor (read with ``float()`` at each step).
+        lr: step size (Adam's): a float or a 0-dim tensor (used on the device, never read on
+            the host).
             Default 1e-3, as ``torch.optim.Adam``.
         betas, eps, weight_decay: as ``torch.optim.AdamW``.
         chunk_rows: rows of ``U P^T`` rebuilt at once on the reference path.
