@@ -213,9 +213,8 @@ def _polar(rho: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def _gaussian_block(cos_out: torch.Tensor, sin_out: torch.Tensor, keys: torch.Tensor) -> None:
-    """``cos_out, sin_out = box_muller(w0, w1)`` of the words of indices ``keys[0, 0] + i`` and
-    ``keys[1, 0] + i`` (``keys[:, 1:]``: the seed words), i over the outputs' elements in row
-    order. Compiled on the CPU (:func:`_compiled`): one loop for the whole pipeline, whose
+    """``cos_out, sin_out = box_muller(w0, w1)`` (1-D) of the words of indices
+    ``keys[0, 0] + i`` and ``keys[1, 0] + i`` (``keys[:, 1:]``: the seed words). Compiled on the CPU (:func:`_compiled`): one loop for the whole pipeline, whose
     float operations are the eager ones one by one (inductor neither reassociates nor fuses
     multiply-adds: ``-ffp-contract=off``, no unsafe math), so the bits are the same; the tests
     compare the two."""
@@ -223,8 +222,8 @@ def _gaussian_block(cos_out: torch.Tensor, sin_out: torch.Tensor, keys: torch.Te
     w0 = _mix32(_mix32((n + keys[0, 0]) ^ keys[0, 1]) ^ keys[0, 2])
     w1 = _mix32(_mix32((n + keys[1, 0]) ^ keys[1, 1]) ^ keys[1, 2])
     cos, sin = _polar(_rho((w0 >> 8) & 0xFFFFFF), (w1 >> 8) & 0xFFFFFF)
-    cos_out.copy_(cos.view(cos_out.shape))
-    sin_out.copy_(sin.view(sin_out.shape))
+    cos_out.copy_(cos)
+    sin_out.copy_(sin)
 
 
 def box_muller(w0: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,6 +254,9 @@ def gaussian_matrices(k: int, r: int, seeds: list[int], device) -> torch.Tensor:
     g = torch.empty(len(seeds), k, 2 * h, dtype=torch.float32, device=device)
     rows = max(1, GAUSSIAN_BLOCK // h)
     run = _int32_loop(_gaussian_block, device)
+    # 1-D contiguous buffers: one compiled graph serves every k and r
+    cos = torch.empty(min(rows, k) * h, dtype=torch.float32, device=device)
+    sin = torch.empty_like(cos)
     for m, seed in enumerate(seeds):
         s_lo, s_hi = seed_words(seed, GAUSSIAN_LABEL)
         for i in range(0, k, rows):
@@ -263,7 +265,9 @@ def gaussian_matrices(k: int, r: int, seeds: list[int], device) -> torch.Tensor:
             keys = torch.tensor([[as_int32(i * h), as_int32(s_lo), as_int32(s_hi)],
                                  [as_int32(pairs + i * h), as_int32(s_lo), as_int32(s_hi)]],
                                 dtype=torch.int32, device=device)
-            run(g[m, i:i + n // h, :h], g[m, i:i + n // h, h:], keys)
+            run(cos[:n], sin[:n], keys)
+            g[m, i:i + n // h, :h] = cos[:n].view(-1, h)
+            g[m, i:i + n // h, h:] = sin[:n].view(-1, h)
     return g[:, :, :r]
 
 
