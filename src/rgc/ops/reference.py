@@ -214,10 +214,11 @@ def _polar(rho: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def _gaussian_block(cos_out: torch.Tensor, sin_out: torch.Tensor, keys: torch.Tensor) -> None:
     """``cos_out, sin_out = box_muller(w0, w1)`` (1-D) of the words of indices
-    ``keys[0, 0] + i`` and ``keys[1, 0] + i`` (``keys[:, 1:]``: the seed words). Compiled on the CPU (:func:`_compiled`): one loop for the whole pipeline, whose
-    float operations are the eager ones one by one (inductor neither reassociates nor fuses
-    multiply-adds: ``-ffp-contract=off``, no unsafe math), so the bits are the same; the tests
-    compare the two."""
+    ``keys[0, 0] + i`` and ``keys[1, 0] + i`` (``keys[:, 1:]``: the seed words). Compiled on
+    the CPU (:func:`_compiled`): one loop for the whole pipeline, whose float operations are
+    the eager ones one by one (inductor neither reassociates nor fuses multiply-adds:
+    ``-ffp-contract=off``, no unsafe math), so the bits are the same; the tests compare the
+    two."""
     n = torch.arange(cos_out.numel(), dtype=torch.int32, device=cos_out.device)
     w0 = _mix32(_mix32((n + keys[0, 0]) ^ keys[0, 1]) ^ keys[0, 2])
     w1 = _mix32(_mix32((n + keys[1, 0]) ^ keys[1, 1]) ^ keys[1, 2])
