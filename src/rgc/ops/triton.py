@@ -24,8 +24,10 @@ second kernel adds each matrix's partials in index order; no atomics.
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
+import struct
 from collections.abc import Sequence
 
 import torch
@@ -41,8 +43,9 @@ try:
 except AttributeError:  # Triton before 3.4 has no knobs and reads the variable directly
     INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-__all__ = ["INTERPRETED", "gaussian_matrices", "lowrank_update_", "orthonormalize",
-           "random_words", "sketch_stats", "stochastic_round_", "sum_squares"]
+__all__ = ["INTERPRETED", "gaussian_matrices", "lowrank_update_", "make_projections_",
+           "orthonormalize", "random_words", "row_adam_", "sketch_stats", "stochastic_round_",
+           "sum_squares"]
 
 _MUL1 = tl.constexpr(MIX32_MUL1)
 _MUL2 = tl.constexpr(MIX32_MUL2)
@@ -54,6 +57,10 @@ TABLE_COLUMNS = ("w", "u", "p", "m", "s_lo", "s_hi", "off_lo", "off_hi", "row_le
 _W, _U, _P, _M, _SLO, _SHI, _OLO, _OHI, _ROWLEN = (tl.constexpr(i)
                                                    for i in range(len(TABLE_COLUMNS)))
 _TABLE = tl.constexpr(len(TABLE_COLUMNS))
+# Columns of RowAdam's table: base pointers of S, m and v, the stack's index m in the list.
+ADAM_TABLE_COLUMNS = ("s", "exp_avg", "exp_avg_sq", "m")
+_ADAM_S, _ADAM_EXP_AVG, _ADAM_EXP_AVG_SQ, _ADAM_M = (tl.constexpr(i) for i in range(4))
+_ADAM_TABLE = tl.constexpr(len(ADAM_TABLE_COLUMNS))
 
 
 # ------------------------------------------------------------------------ device functions
@@ -442,6 +449,84 @@ def _sketch_stats_kernel(table_ptr, gram_ptr, partial_ptr, flag_ptr, d, r,
     tl.store(flag_ptr + out, _tile_sum(bad))
 
 
+@triton.jit
+def _float64(lo, hi):
+    """The float64 whose bit pattern has the 32-bit halves ``lo``, ``hi`` (a Python float
+    argument would arrive as FP32)."""
+    return _join_words(lo, hi).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _one_minus_power(beta, t):
+    """FP32 ``1 - beta^t`` for float64 ``beta`` and int64 ``t >= 0``: the power by binary
+    exponentiation in float64 (< 2 log2(t) + 1 roundings), then one rounding to FP32."""
+    power = beta * 0.0 + 1.0
+    base = beta
+    n = t
+    while n > 0:
+        power = tl.where((n & 1) == 1, power * base, power)
+        base = base * base
+        n = n >> 1
+    return (1.0 - power).to(tl.float32)
+
+
+# Strides of the [M, E] tables and the beta words are values, not layouts: never specialised.
+@triton.jit(do_not_specialize=["active_ptr", "steps_ptr", "stride_am", "stride_ae",
+                               "stride_tm", "stride_te", "b1_lo", "b1_hi", "b2_lo", "b2_hi"])
+def _row_adam_kernel(table_ptr, active_ptr, steps_ptr, d, r,
+                     stride_se, stride_sd, stride_sr, stride_me, stride_md, stride_mr,
+                     stride_ve, stride_vd, stride_am, stride_ae, stride_tm, stride_te,
+                     beta1, rest1, beta2, rest2, eps, b1_lo, b1_hi, b2_lo, b2_hi,
+                     BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, MAXIMIZE: tl.constexpr,
+                     PTR_ALIGNED: tl.constexpr):
+    """BLOCK_D rows of matrix ``e`` of stack ``g``: RowAdam's moments and ``U`` into S
+    (:func:`rgc.ops.reference.row_adam_`). Two passes over the rows' r columns: the sum of
+    squares of S (for v), then m and U, each element of S read and written by one program;
+    m and v are stored only where the matrix is active."""
+    blk = tl.program_id(0)
+    e = tl.program_id(1)
+    g = tl.program_id(2)
+    entry = table_ptr + g * _ADAM_TABLE
+    m = tl.load(entry + _ADAM_M)
+    ok = tl.load(active_ptr + m * stride_am + e * stride_ae) != 0
+    t = tl.load(steps_ptr + m * stride_tm + e * stride_te)
+    correction1 = _one_minus_power(_float64(b1_lo, b1_hi), t)
+    correction2 = _one_minus_power(_float64(b2_lo, b2_hi), t)
+    row0 = blk * BLOCK_D
+    rows = tl.arange(0, BLOCK_D)
+    cols = tl.arange(0, BLOCK_R)
+    row_ok = rows < d - row0
+    s_base = (_pointer(tl.load(entry + _ADAM_S), tl.float32, PTR_ALIGNED)
+              + e.to(tl.int64) * stride_se + row0.to(tl.int64) * stride_sd)
+    m_base = (_pointer(tl.load(entry + _ADAM_EXP_AVG), tl.float32, PTR_ALIGNED)
+              + e.to(tl.int64) * stride_me + row0.to(tl.int64) * stride_md)
+    v_ptrs = (_pointer(tl.load(entry + _ADAM_EXP_AVG_SQ), tl.float32, PTR_ALIGNED)
+              + e.to(tl.int64) * stride_ve + row0.to(tl.int64) * stride_vd + rows * stride_vd)
+    s_off = rows[:, None] * stride_sd + cols[None, :] * stride_sr
+    m_off = rows[:, None] * stride_md + cols[None, :] * stride_mr
+    squares = tl.full((BLOCK_D,), 0.0, tl.float32)
+    for r0 in range(0, r, BLOCK_R):
+        mask = row_ok[:, None] & (cols < r - r0)[None, :]
+        s = tl.load(s_base + r0 * stride_sr + s_off, mask=mask, other=0.0)
+        squares += tl.reduce(s * s, 1, _sum)
+    v = tl.load(v_ptrs, mask=row_ok, other=0.0)
+    # b v + (1 - b) x as torch's add_ with alpha computes it: one fused multiply-add
+    v = tl.where(ok, tl.fma(rest2, tl.div_rn(squares, r.to(tl.float32)), beta2 * v), v)
+    tl.store(v_ptrs, v, mask=tl.where(ok, row_ok, False))
+    denom = tl.sqrt_rn(tl.div_rn(v, correction2)) + eps
+    for r0 in range(0, r, BLOCK_R):
+        mask = row_ok[:, None] & (cols < r - r0)[None, :]
+        s_ptrs = s_base + r0 * stride_sr + s_off
+        m_ptrs = m_base + r0 * stride_mr + m_off
+        s = tl.load(s_ptrs, mask=mask, other=0.0)
+        if MAXIMIZE:
+            s = -s
+        mo = tl.load(m_ptrs, mask=mask, other=0.0)
+        mo = tl.where(ok, tl.fma(rest1, s, beta1 * mo), mo)
+        tl.store(m_ptrs, mo, mask=tl.where(ok, mask, False))
+        tl.store(s_ptrs, tl.div_rn(tl.div_rn(mo, correction1), denom[:, None]), mask=mask)
+
+
 # ------------------------------------------------------------------------ launch tables
 
 ROUND_BLOCK = 1024
@@ -460,6 +545,8 @@ MAXNREG_ALIGNED = 128
 MAXNREG_MISALIGNED = 160
 GRAM_TILE = dict(BLOCK_R=64, BLOCK_K=32, num_warps=4, num_stages=1)
 STATS_TILE = dict(BLOCK_M=64, BLOCK_R=16, num_warps=4, num_stages=1)
+# RowAdam's moments: 64 rows x 32 columns per step of the r-loop (memory-bound, d x r).
+ADAM_TILE = dict(BLOCK_D=64, BLOCK_R=32, num_warps=4, num_stages=1)
 # One launch's grid axes 1 and 2 (experts, stacks) are limited to 65535 by CUDA.
 _MAX_GRID_YZ = 65535
 
@@ -1024,3 +1111,79 @@ def make_projections_(outs: list[torch.Tensor], kind: str, seeds: list[int]) -> 
             new = orthonormalize(g.contiguous(), (k / r) ** 0.5,
                                  any(o.dtype != torch.bfloat16 for o in chunk))
         torch._foreach_copy_(chunk, list(new.unbind(0)))
+
+
+
+# ------------------------------------------------------------------------------- RowAdam
+
+def _float64_words(x: float) -> tuple[int, int]:
+    """The float64 bit pattern of ``x`` as two int32 words (see the kernels' _float64)."""
+    return _words(struct.unpack("<q", struct.pack("<d", float(x)))[0] & (2**64 - 1))
+
+
+def row_adam_launches(sketches: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                      exp_avg_sqs: list[torch.Tensor], active: torch.Tensor,
+                      steps: torch.Tensor, beta1: float, beta2: float, eps: float,
+                      maximize: bool) -> list[tuple]:
+    """The launches of :func:`row_adam_`, checked: one per group of stacks whose S, m and v
+    have equal layouts, over (row block, expert, stack)."""
+    if not sketches:
+        return []
+    count = len(sketches)
+    if not len(exp_avgs) == len(exp_avg_sqs) == count:
+        raise ValueError(f"sketches, exp_avgs and exp_avg_sqs must have one entry per stack, "
+                         f"got {count}, {len(exp_avgs)}, {len(exp_avg_sqs)}")
+    for m, (s, mo, v) in enumerate(zip(sketches, exp_avgs, exp_avg_sqs)):
+        if s.dim() != 3 or s.dtype != torch.float32:
+            raise ValueError(f"sketches[{m}] must be a 3-D [E, d, r] FP32 tensor, got "
+                             f"{s.dim()}-D {s.dtype}")
+        if mo.dtype != torch.float32 or mo.shape != s.shape:
+            raise ValueError(f"exp_avgs[{m}] must be FP32 of the sketch's shape "
+                             f"{tuple(s.shape)}, got {mo.dtype} {tuple(mo.shape)}")
+        if v.dtype != torch.float32 or v.shape != s.shape[:2]:
+            raise ValueError(f"exp_avg_sqs[{m}] must be FP32 of shape {tuple(s.shape[:2])} "
+                             f"(one value per row), got {v.dtype} {tuple(v.shape)}")
+    device = _check_device(*sketches, *exp_avgs, *exp_avg_sqs)
+    e_max = max(s.shape[0] for s in sketches)
+    _check_matrix_table("active", active, count, e_max, device, torch.bool)
+    _check_matrix_table("steps", steps, count, e_max, device, torch.int64)
+    for name, b in (("beta1", beta1), ("beta2", beta2), ("eps", eps)):
+        if not isinstance(b, numbers.Real) or not math.isfinite(b):
+            raise ValueError(f"{name} must be a finite number, got {b!r}")
+    active = active.view(torch.uint8)
+    launches = []
+    keys = [(_layout_key(s), _layout_key(mo), _layout_key(v))
+            for s, mo, v in zip(sketches, exp_avgs, exp_avg_sqs)]
+    for group in _groups(keys):
+        s, mo, v = sketches[group[0]], exp_avgs[group[0]], exp_avg_sqs[group[0]]
+        e, d, r = s.shape
+        if e * d * r == 0:
+            continue
+        r_span = max(r, ADAM_TILE["BLOCK_R"])
+        _check_int32_offsets("sketches", [(ADAM_TILE["BLOCK_D"], s.stride(1)),
+                                          (r_span, s.stride(2))])
+        _check_int32_offsets("exp_avgs", [(ADAM_TILE["BLOCK_D"], mo.stride(1)),
+                                          (r_span, mo.stride(2))])
+        tensors = [t for m in group for t in (sketches[m], exp_avgs[m], exp_avg_sqs[m])]
+        table = _table([[sketches[m].data_ptr(), exp_avgs[m].data_ptr(),
+                         exp_avg_sqs[m].data_ptr(), m] for m in group], device)
+        launches.append((
+            _row_adam_kernel, (triton.cdiv(d, ADAM_TILE["BLOCK_D"]), e, len(group)),
+            (table, active, steps, d, r, *s.stride(), *mo.stride(), *v.stride(),
+             *active.stride(), *steps.stride(), float(beta1), 1.0 - beta1, float(beta2),
+             1.0 - beta2, float(eps), *_float64_words(beta1), *_float64_words(beta2)),
+            dict(ADAM_TILE, MAXIMIZE=bool(maximize), PTR_ALIGNED=_aligned_ptrs(*tensors),
+                 enable_fp_fusion=False)))
+    return launches
+
+
+def row_adam_(sketches: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+              exp_avg_sqs: list[torch.Tensor], active: torch.Tensor, steps: torch.Tensor,
+              beta1: float, beta2: float, eps: float, maximize: bool) -> None:
+    """RowAdam's moments and direction per matrix, in place (contract:
+    :func:`rgc.ops.reference.row_adam_`): one launch per group of equal layouts, nothing read
+    on the host. Every operation is the reference's, rounded once (fused multiply-adds where
+    torch's ``add_(x, alpha=)`` fuses, IEEE division and square root, bias corrections in
+    float64); only the order in which ``mean_j S^2`` adds a row differs."""
+    _launch(row_adam_launches(sketches, exp_avgs, exp_avg_sqs, active, steps, beta1, beta2,
+                              eps, maximize))
