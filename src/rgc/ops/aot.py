@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import re
 import subprocess
@@ -256,9 +257,38 @@ def projection_cases():
                                        torch.zeros(2, 2, dtype=torch.bool)))
 
 
+# (d, r): sizes and strides multiples of 16, or 1, or neither (the classes Triton specialises).
+ADAM_LAYOUTS = {"aligned": (128, 64), "r=7": (128, 7), "r=1": (128, 1), "odd d": (37, 64),
+                "odd d, r=7": (37, 7), "odd d, r=1": (37, 1), "misaligned": (37, 7)}
+
+
+def adam_stacks(layout: str, count: int = 2):
+    """``(sketches, exp_avgs, exp_avg_sqs)`` of ``count`` stacks of two matrices; the
+    misaligned layout's tensors start one element into their storage (unaligned pointers)."""
+    d, r = ADAM_LAYOUTS[layout]
+    skip = 1 if layout == "misaligned" else 0
+
+    def make(*shape):
+        n = math.prod(shape)
+        return [torch.zeros(n + skip)[skip:].view(shape) for _ in range(count)]
+    return make(2, d, r), make(2, d, r), make(2, d)
+
+
+def adam_cases():
+    """``(case name, launches)`` of RowAdam's moment kernel, every layout, with and without
+    ``maximize``."""
+    for layout in ADAM_LAYOUTS:
+        for maximize in (False, True):
+            stacks = adam_stacks(layout)
+            yield (f"row adam, {layout}{', maximize' if maximize else ''}",
+                   K.row_adam_launches(*stacks, torch.ones(2, 2, dtype=torch.bool),
+                                       torch.ones(2, 2, dtype=torch.int64), 0.9, 0.999, 1e-8,
+                                       maximize))
+
+
 def all_cases():
     return [*update_cases(), *norm_cases(), *rounding_cases(), *gaussian_cases(),
-            *projection_cases()]
+            *projection_cases(), *adam_cases()]
 
 
 def supported_archs(archs=ARCHS) -> list[int]:

@@ -470,8 +470,9 @@ def _one_minus_power(beta, t):
     return (1.0 - power).to(tl.float32)
 
 
-# Strides of the [M, E] tables and the beta words are values, not layouts: never specialised.
-@triton.jit(do_not_specialize=["active_ptr", "steps_ptr", "stride_am", "stride_ae",
+# Strides of the [M, E] tables and the beta words are values, not layouts: never specialised
+# (nor r, which is also a divisor).
+@triton.jit(do_not_specialize=["r", "active_ptr", "steps_ptr", "stride_am", "stride_ae",
                                "stride_tm", "stride_te", "b1_lo", "b1_hi", "b2_lo", "b2_hi"])
 def _row_adam_kernel(table_ptr, active_ptr, steps_ptr, d, r,
                      stride_se, stride_sd, stride_sr, stride_me, stride_md, stride_mr,
@@ -546,7 +547,7 @@ MAXNREG_MISALIGNED = 160
 GRAM_TILE = dict(BLOCK_R=64, BLOCK_K=32, num_warps=4, num_stages=1)
 STATS_TILE = dict(BLOCK_M=64, BLOCK_R=16, num_warps=4, num_stages=1)
 # RowAdam's moments: 64 rows x 32 columns per step of the r-loop (memory-bound, d x r).
-ADAM_TILE = dict(BLOCK_D=64, BLOCK_R=32, num_warps=4, num_stages=1)
+ADAM_TILE = dict(BLOCK_D=64, BLOCK_R=32, num_warps=8, num_stages=1)
 # One launch's grid axes 1 and 2 (experts, stacks) are limited to 65535 by CUDA.
 _MAX_GRID_YZ = 65535
 
