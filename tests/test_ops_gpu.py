@@ -239,8 +239,9 @@ def test_compiled_launches_do_not_grow_with_the_number_of_stacks():
 
 @pytest.mark.parametrize("e,d,r", [(1, 4096, 64), (8, 1000, 37), (2, 300, 256)])
 def test_row_adam_matches_the_reference(e, d, r):
-    # m within one FP32 unit of the CPU reference (a fused multiply-add there too, but not in
-    # torch's scalar tail); v and U within 1e-6 relative (the mean's order, torch's CPU sqrt).
+    # m within one FP32 unit of its terms (0.1 here) of the CPU reference (a fused multiply-add
+    # there too, but not in torch's scalar tail); v and U within 1e-6 relative (the mean's
+    # order, torch's CPU sqrt), U also within 1e-6 absolute (U ~ 1; m may cancel).
     g = torch.Generator().manual_seed(d + r)
     sketches = [torch.randn(e, d, r, generator=g) for _ in range(3)]
     exp_avgs = [torch.randn(e, d, r, generator=g) * 0.1 for _ in range(3)]
@@ -253,8 +254,10 @@ def test_row_adam_matches_the_reference(e, d, r):
     assert launches.triton == 1
     R.row_adam_(sketches, exp_avgs, exp_avg_sqs, active, steps, 0.9, 0.999, 1e-8, True)
     for got, want in zip(gpu[1], exp_avgs):
-        torch.testing.assert_close(got.cpu(), want, rtol=1.2e-7, atol=1e-30)
-    for got, want in [*zip(gpu[0], sketches), *zip(gpu[2], exp_avg_sqs)]:
+        torch.testing.assert_close(got.cpu(), want, rtol=1.2e-7, atol=1e-8)
+    for got, want in zip(gpu[0], sketches):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
+    for got, want in zip(gpu[2], exp_avg_sqs):
         torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=0)
 
 
