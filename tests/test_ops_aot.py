@@ -69,7 +69,8 @@ def test_every_configuration_was_compiled(aot, usage):
     assert {u.kernel for u in usage} == {
         "lowrank_update_kernel", "finish_kernel", "stochastic_round_kernel",
         "random_words_kernel", "gaussian_kernel", "gram_kernel", "sketch_stats_kernel",
-        "row_adam_kernel"}
+        "row_adam_kernel", "rademacher_kernel", "refresh_gram_kernel",
+        "cholesky_inverse_kernel", "projection_product_kernel"}
     for u in updates:  # a cap the launcher sets, and ptxas honours
         assert u.registers <= aot.K.MAXNREG_MISALIGNED
 
@@ -118,6 +119,20 @@ def test_every_rank_runs_a_compiled_row_adam_case(aot, compiled_keys, d):
                     *stacks, torch.ones(2, 3, dtype=torch.bool)[:, :3],
                     torch.full((2, 5), 7)[:, 1:4], 0.5, 0.25, 0.0, maximize):
                 assert aot.specialization(kernel, args, kwargs) in compiled_keys, (d, r)
+
+
+@pytest.mark.parametrize("kind", ["orthonormal", "gaussian", "rademacher"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_rank_runs_a_compiled_refresh_case(aot, compiled_keys, kind, dtype):
+    # The P refresh for every r from 1 to 512: k = 2048 (one CholeskyQR pass), and k = 160
+    # for the ranks at which k < 4 r (CholeskyQR3), every JIT key compiled above.
+    shapes = [(2048, r) for r in range(1, 513)]
+    if kind == "orthonormal":
+        shapes += [(160, r) for r in range(41, 161)]
+    for k, r in shapes:
+        outs = [torch.zeros(k, r, dtype=dtype) for _ in range(2)]
+        for kernel, _grid, args, kwargs in aot.K.projection_launches(outs, kind, [3, 2**40]):
+            assert aot.specialization(kernel, args, kwargs) in compiled_keys, (k, r)
 
 
 def test_norm_pass_reduces_in_the_update_order(compiled, aot):

@@ -275,20 +275,35 @@ def adam_stacks(layout: str, count: int = 2):
 
 
 def adam_cases():
-    """``(case name, launches)`` of RowAdam's moment kernel, every layout, with and without
-    ``maximize``."""
+    """``(case name, launches)`` of RowAdam's moment kernel in every layout (``maximize`` is
+    a value, not a specialisation)."""
     for layout in ADAM_LAYOUTS:
-        for maximize in (False, True):
-            stacks = adam_stacks(layout)
-            yield (f"row adam, {layout}{', maximize' if maximize else ''}",
-                   K.row_adam_launches(*stacks, torch.ones(2, 2, dtype=torch.bool),
-                                       torch.ones(2, 2, dtype=torch.int64), 0.9, 0.999, 1e-8,
-                                       maximize))
+        yield (f"row adam, {layout}",
+               K.row_adam_launches(*adam_stacks(layout), torch.ones(2, 2, dtype=torch.bool),
+                                   torch.ones(2, 2, dtype=torch.int64), 0.9, 0.999, 1e-8, False))
+
+
+#: Output dtypes of a projection.
+REFRESH_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def refresh_cases():
+    """``(case name, launches)`` of the P refresh for every kind and output dtype: the
+    Rademacher and scaled Gaussian kernels, and the orthonormal kind in one CholeskyQR pass
+    (k >= 4 r) and in CholeskyQR3 (k < 4 r). Their kernels specialise no size or stride
+    (only dtypes and unit strides), so one shape of each stands for all."""
+    for dtype in REFRESH_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        for kind, (k, r) in [("rademacher", (53, 7)), ("gaussian", (53, 7)),
+                             ("orthonormal", (53, 7)), ("orthonormal", (20, 7))]:
+            outs = [torch.zeros(k, r, dtype=dtype) for _ in range(2)]
+            label = f"{kind}{' k < 4r' if k < 4 * r else ''}"
+            yield f"refresh, {label}, {name}", K.projection_launches(outs, kind, [1, 2])
 
 
 def all_cases():
     return [*update_cases(), *norm_cases(), *rounding_cases(), *gaussian_cases(),
-            *projection_cases(), *adam_cases()]
+            *projection_cases(), *adam_cases(), *refresh_cases()]
 
 
 def supported_archs(archs=ARCHS) -> list[int]:
