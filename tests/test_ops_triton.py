@@ -7,6 +7,7 @@ below sets the variable and (re)loads that module before any kernel runs, and re
 afterwards. Shapes are small: the interpreter runs each program in Python.
 """
 
+import gc
 import importlib
 import math
 import sys
@@ -581,6 +582,92 @@ def test_orthonormalize_matches_float64_qr(k, r, gram_fp64):
                                atol=2e-6 * scale)
 
 
+PROJECTION_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+
+
+def triton_projections(kind, k, r, seeds, dtype):
+    outs = [torch.empty(k, r, dtype=dtype) for _ in seeds]
+    T.make_projections_(outs, kind, seeds)
+    return outs
+
+
+@pytest.mark.parametrize("kind,k,r", [("rademacher", 37, 9), ("gaussian", 37, 9),
+                                      ("orthonormal", 70, 9), ("orthonormal", 21, 9)])
+@pytest.mark.parametrize("dtype", PROJECTION_DTYPES)
+def test_a_projection_has_the_bits_it_has_alone_in_any_batch(kind, k, r, dtype, monkeypatch):
+    # A sync receiver regenerates one P; the trainer a whole group: a batch of N, in any
+    # order and split into chunks of any size, gives each P the bits it has alone.
+    seeds = [5, 2**40 + 3, 0, 77]
+    batch = triton_projections(kind, k, r, seeds, dtype)
+    reverse = triton_projections(kind, k, r, seeds[::-1], dtype)[::-1]
+    monkeypatch.setattr(T, "PROJECTION_CHUNK_BYTES", T.projection_bytes(k, r) * 3 // 2)
+    chunked = triton_projections(kind, k, r, seeds, dtype)
+    for i, seed in enumerate(seeds):
+        (alone,) = triton_projections(kind, k, r, [seed], dtype)
+        for other in (batch[i], reverse[i], chunked[i]):
+            assert torch.equal(other.view(-1).view(torch.uint8), alone.view(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
+@pytest.mark.parametrize("dtype", PROJECTION_DTYPES)
+def test_rademacher_and_gaussian_projections_have_the_reference_bits(kind, dtype):
+    k, r, seeds = 45, 13, [1, 2**62 + 9]
+    want = [torch.empty(k, r, dtype=dtype) for _ in seeds]
+    R.make_projections_(want, kind, seeds)
+    for got, ref in zip(triton_projections(kind, k, r, seeds, dtype), want):
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("k,r", [(96, 24), (33, 8), (50, 20), (9, 9)])
+@pytest.mark.parametrize("dtype", PROJECTION_DTYPES)
+def test_orthonormal_projections_are_close_to_the_reference_and_qr(k, r, dtype):
+    # sqrt(k/r) Q of G's thin QR (R's diagonal positive) in float64, rounded once to dtype;
+    # the kernels within the rounding of the dtype (FP32 accuracy of the product for
+    # k >= 4 r, float64 CholeskyQR3 below) of it and of the reference.
+    seeds = [4, 8]
+    g = R.gaussian_matrices(k, r, seeds, "cpu").double()
+    q64, r64 = torch.linalg.qr(g)
+    want = q64 * torch.sign(r64.diagonal(dim1=1, dim2=2)).unsqueeze(1) * math.sqrt(k / r)
+    ref = [torch.empty(k, r, dtype=dtype) for _ in seeds]
+    R.make_projections_(ref, "orthonormal", seeds)
+    unit = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 2**-23,
+            torch.float64: 2**-52}[dtype]
+    accuracy = max(unit, 2e-6 / 2**-23 * 2**-23 if k >= 4 * r else 1e-12)
+    for i, got in enumerate(triton_projections("orthonormal", k, r, seeds, dtype)):
+        tol = (accuracy + unit) * math.sqrt(k / r) * 4
+        torch.testing.assert_close(got.double(), want[i], rtol=0, atol=tol)
+        torch.testing.assert_close(got.double(), ref[i].double(), rtol=0, atol=2 * tol)
+
+
+@pytest.mark.parametrize("kind,k,r,launches", [("rademacher", 30, 6, 1), ("gaussian", 30, 6, 1),
+                                               ("orthonormal", 30, 6, 4),
+                                               ("orthonormal", 20, 6, 10)])
+def test_refresh_launches_do_not_grow_with_the_number_of_projections(kind, k, r, launches):
+    def count(n):
+        with CountLaunches() as counted:
+            triton_projections(kind, k, r, list(range(n)), torch.bfloat16)
+        return counted
+    two, five = count(2), count(5)
+    assert two.triton == five.triton == launches and two.host_reads == 0
+    assert two.total == five.total, (two.names, five.names)
+
+
+def test_refresh_buffers_stay_within_the_chunk(monkeypatch):
+    # No [M, k, r] float64 (nor G of all M) at once: buffers of at most the chunk's bytes.
+    # (The interpreter leaves a launch's arguments in reference cycles; collected here after
+    # each launch as a compiled launch would drop them.)
+    launch = T._launch
+    monkeypatch.setattr(T, "_launch", lambda launches: (launch(launches), gc.collect()))
+    for k, r in [(64, 8), (24, 8)]:  # one CholeskyQR pass, CholeskyQR3
+        monkeypatch.setattr(T, "PROJECTION_CHUNK_BYTES", 2 * T.projection_bytes(k, r))
+        outs = [torch.empty(k, r) for _ in range(7)]
+        T.make_projections_(outs, "orthonormal", list(range(7)))  # compile
+        with rgc.memory.track() as rec:
+            T.make_projections_(outs, "orthonormal", list(range(7)))
+        assert rec.peak <= T.PROJECTION_CHUNK_BYTES + 4096, (rec.peak, rec.largest)
+        assert max(a.nbytes for a in rec.allocations) <= T.PROJECTION_CHUNK_BYTES
+
+
 # ---------------------------------------------------- registry dispatch and fake kernels
 
 def _op_calls():
@@ -598,6 +685,7 @@ def _op_calls():
         "orthonormalize": (g, 2.0, False),
         "row_adam_": (*adam_stacks(2, 2, 20, 8, seed=1), torch.tensor([[True, False]] * 2),
                       torch.full((2, 2), 3), 0.9, 0.999, 1e-8, False),
+        "make_projections_": ([torch.empty(40, 8), torch.empty(40, 8)], "orthonormal", [1, 2]),
     }
 
 

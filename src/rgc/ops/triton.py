@@ -297,23 +297,24 @@ def _rademacher_kernel(table_ptr, k, r, stride_ok, stride_or, mag_lo, mag_hi,
 
 
 @triton.jit
-def _tile_cholesky(a, BLOCK: tl.constexpr):
-    """``(L, L^-1)`` of a symmetric positive definite BLOCK x BLOCK float64 tile (its lower
-    triangle is read): column by column in registers, then forward substitution row by row;
-    both lower triangular with exact zeros above the diagonal. A column or row is taken out of
-    the tile as a sum of it and zeros, which is exact."""
+def _tile_cholesky(a, n, BLOCK: tl.constexpr):
+    """``(L, L^-1)`` of the leading n x n block of a symmetric positive definite BLOCK x BLOCK
+    float64 tile (its lower triangle is read; zeros elsewhere): column by column in registers,
+    then forward substitution row by row; lower triangular, exact zeros above the diagonal
+    and outside the n x n block. A column or row is taken out of the tile as a sum of it and
+    zeros, which is exact."""
     idx = tl.arange(0, BLOCK)
     rows = idx[:, None]
     cols = idx[None, :]
     low = tl.full((BLOCK, BLOCK), 0.0, tl.float64)
-    for j in range(BLOCK):
+    for j in range(n):
         col = tl.reduce(tl.where(cols == j, a, 0.0), 1, _sum)
         root = tl.sqrt(tl.reduce(tl.where(idx == j, col, 0.0), 0, _sum))
         col = tl.where(idx > j, col / root, tl.where(idx == j, root, 0.0))
         low = tl.where(cols == j, col[:, None], low)
         a = a - col[:, None] * col[None, :]
     inv = tl.full((BLOCK, BLOCK), 0.0, tl.float64)
-    for i in range(BLOCK):
+    for i in range(n):
         row = tl.reduce(tl.where(rows == i, low, 0.0), 0, _sum)
         diagonal = tl.reduce(tl.where(idx == i, row, 0.0), 0, _sum)
         done = tl.reduce(row[:, None] * inv, 0, _sum)  # sum over k < i of L[i, k] inv[k, :]
@@ -369,9 +370,8 @@ def _cholesky_inverse_kernel(gram_ptr, work_ptr, x_ptr, r, scale_lo, scale_hi, s
     tl.debug_barrier()
     for kb in range(nb):
         ptrs, mask = _block(low, kb, kb, r, BLOCK)
-        # past r: the identity, so the padded factor and inverse are the identity too
-        tile = tl.where(mask, tl.load(ptrs, mask=mask, other=0.0), tl.where(eye, 1.0, 0.0))
-        l_kk, inv_kk = _tile_cholesky(tile, BLOCK)
+        l_kk, inv_kk = _tile_cholesky(tl.load(ptrs, mask=mask, other=0.0),
+                                      tl.minimum(r - kb * BLOCK, BLOCK), BLOCK)
         tl.store(ptrs, l_kk, mask=mask)
         inv_ptrs, _ = _block(inv, kb, kb, r, BLOCK)
         tl.store(inv_ptrs, inv_kk, mask=mask)
@@ -707,9 +707,10 @@ def _row_adam_kernel(table_ptr, active_ptr, steps_ptr, d, r,
                      sign, beta1, rest1, beta2, rest2, eps, b1_lo, b1_hi, b2_lo, b2_hi,
                      BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, PTR_ALIGNED: tl.constexpr):
     """BLOCK_D rows of matrix ``e`` of stack ``g``: RowAdam's moments and ``U`` into S
-    (:func:`rgc.ops.reference.row_adam_`), with ``g = sign S`` (-1 for ``maximize``: exact). Two passes over the rows' r columns: the sum of
-    squares of S (for v), then m and U, each element of S read and written by one program;
-    m and v are stored only where the matrix is active."""
+    (:func:`rgc.ops.reference.row_adam_`), with ``g = sign S`` (-1 for ``maximize``: exact).
+    Two passes over the rows' r columns: the sum of squares of S (for v), then m and U, each
+    element of S read and written by one program; m and v are stored only where the matrix
+    is active."""
     blk = tl.program_id(0)
     e = tl.program_id(1)
     g = tl.program_id(2)
@@ -1438,10 +1439,12 @@ def projection_launches(outs: list[torch.Tensor], kind: str, seeds: list[int]) -
     if k * r == 0:
         return []
     if kind == "rademacher":
-        pattern = torch.tensor(1.0 / math.sqrt(r), dtype=out.dtype).view(_INT_OF[out.dtype])
+        # the reference's magnitude, rounded to the dtype on the host (a host tensor's bits)
+        pattern = torch.tensor([1.0 / math.sqrt(r)], dtype=out.dtype).view(
+            _INT_OF[out.dtype]).tolist()[0]
         return [(_rademacher_kernel, (triton.cdiv(k * r, WORDS_BLOCK), len(outs)),
                  (_seed_table(outs, seeds, reference.RADEMACHER_LABEL), k, r, *out.stride(),
-                  *_words(pattern.item() & (2**64 - 1))),
+                  *_words(pattern & (2**64 - 1))),
                  dict(OUT_DTYPE=dtype, BLOCK=WORDS_BLOCK, num_warps=4, enable_fp_fusion=True))]
     if kind == "gaussian":
         return [(_gaussian_kernel, (triton.cdiv(k * h, GAUSSIAN_BLOCK), len(outs)),
