@@ -237,6 +237,49 @@ def test_compiled_launches_do_not_grow_with_the_number_of_stacks():
     assert two.total == four.total, (two.names, four.names)
 
 
+@pytest.mark.parametrize("kind", ["orthonormal", "gaussian", "rademacher"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k,r", [(4096, 64), (1000, 37), (3072, 256), (300, 128)])
+def test_refresh_is_batch_invariant_on_the_device(kind, dtype, k, r, monkeypatch):
+    # The trainer refreshes a group, a sync receiver one P: the same bits, whatever the
+    # batch, its order and its chunks (300 x 128: CholeskyQR3). Against the CPU reference:
+    # Gaussian and Rademacher bit for bit, orthonormal within its dtype's rounding.
+    seeds = [7 * i + 1 for i in range(24)]
+
+    def refresh(seeds_):
+        outs = [torch.empty(k, r, dtype=dtype, device=CUDA) for _ in seeds_]
+        T.make_projections_(outs, kind, seeds_)
+        return outs
+
+    batch, reverse = refresh(seeds), refresh(seeds[::-1])[::-1]
+    monkeypatch.setattr(T, "PROJECTION_CHUNK_BYTES", 5 * T.projection_bytes(k, r))
+    chunked = refresh(seeds)
+    for i in (0, 5, 23):
+        (alone,) = refresh([seeds[i]])
+        for other in (batch[i], reverse[i], chunked[i]):
+            assert torch.equal(other.view(torch.uint8), alone.view(torch.uint8))
+        ref = torch.empty(k, r, dtype=dtype)
+        R.make_projections_([ref], kind, [seeds[i]])
+        if kind == "orthonormal":
+            unit = 2**-8 if dtype == torch.bfloat16 else 2e-6
+            torch.testing.assert_close(alone.cpu().double(), ref.double(), rtol=0,
+                                       atol=4 * unit * math.sqrt(k / r))
+        else:
+            assert torch.equal(alone.cpu().view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_refresh_launches_do_not_grow_with_the_number_of_projections():
+    def count(n):
+        outs = [torch.empty(2048, 64, dtype=torch.bfloat16, device=CUDA) for _ in range(n)]
+        T.make_projections_(outs, "orthonormal", list(range(n)))  # compile
+        with CountLaunches(device="cuda") as launches:
+            T.make_projections_(outs, "orthonormal", list(range(n)))
+        return launches
+    two, eight = count(2), count(8)
+    assert two.triton == eight.triton == 4 and two.host_reads == 0
+    assert two.total == eight.total, (two.names, eight.names)
+
+
 @pytest.mark.parametrize("e,d,r", [(1, 4096, 64), (8, 1000, 37), (2, 300, 256)])
 def test_row_adam_matches_the_reference(e, d, r):
     # m within one FP32 unit of its terms (0.1 here) of the CPU reference (a fused multiply-add
