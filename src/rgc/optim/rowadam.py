@@ -51,10 +51,17 @@ class RowAdam(SketchOptimizer):
         U = (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps)   (row i divided by its scale)
         W <- W (1 - lr * weight_decay) - lr * U P^T
 
-    The weight decay is decoupled (AdamW-style) and, when non-zero, a separate rounded pass
-    over W. ``U P^T`` is rebuilt by :func:`rgc.ops.lowrank_update_` (never a d x k
-    temporary beyond ``chunk_rows`` rows) with the rounding bits of :class:`rgc.RGCOptimizer`.
-    Every element of ``U P^T`` has size about 1, so ``lr`` means what it means for Adam.
+    The weight decay is decoupled (AdamW-style) and folded into the update's one rounded
+    write. The moments of all the weights of one shape are updated, and ``U`` written into
+    their sketches, by one :func:`rgc.ops.row_adam_` call; ``U P^T`` is rebuilt by
+    :func:`rgc.ops.lowrank_update_` (never a d x k temporary beyond ``chunk_rows`` rows) with
+    the rounding bits of :class:`rgc.RGCOptimizer`. Every element of ``U P^T`` has size about
+    1, so ``lr`` means what it means for Adam.
+
+    **Experts.** A stack of E expert matrices (a 3-D weight) keeps ``m`` ``E x d x r`` and
+    ``v`` ``E x d``, and counts each expert's applied updates (its ``t``) in
+    ``state['expert_updates']``: an expert whose sketch is zero received no token and is not
+    updated.
 
     **Projection refresh.** When the layer's schedule gives a new ``P``, ``m`` is carried into
     the new basis with :func:`carry_moment` (``m <- m (P_old^T P_old)^+ P_old^T P_new``); ``v``
@@ -90,7 +97,6 @@ class RowAdam(SketchOptimizer):
 
     State per compressed weight: ``exp_avg`` (d x r FP32), ``exp_avg_sq`` (d FP32), step
     counters, layer seed and projection version; ``state_dict`` round-trips bit-exactly.
-    The weight decay, when non-zero, stays a pass over W of its own.
     """
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, *,
