@@ -335,10 +335,10 @@ def _block(base, ib, jb, r, BLOCK: tl.constexpr):
 
 @triton.jit(do_not_specialize=["r", "scale_lo", "scale_hi", "shift_lo", "shift_hi"])
 def _cholesky_inverse_kernel(gram_ptr, work_ptr, x_ptr, r, scale_lo, scale_hi, shift_lo,
-                             shift_hi, GRAM_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr,
-                             SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+                             shift_hi, X_DTYPE: tl.constexpr, SHIFT: tl.constexpr,
+                             BLOCK: tl.constexpr):
     """``X = scale L^-1`` (lower triangular, X_DTYPE) for the Cholesky factor ``L L^T`` of
-    Gram ``g`` (r x r, contiguous, GRAM_DTYPE), all in float64 by one program: a blocked
+    Gram ``g`` (r x r, contiguous, FP32 or FP64), all in float64 by one program: a blocked
     right-looking factorisation (diagonal tiles by :func:`_tile_cholesky`, panels and trailing
     updates as tile products), then the blocked inverse, in a fixed order whatever the grid.
     SHIFT first adds ``shift * trace`` to the diagonal (shifted CholeskyQR). ``work`` holds
@@ -1317,8 +1317,8 @@ def orthonormalize(g: torch.Tensor, scale: float, gram_fp64: bool) -> torch.Tens
 def orthonormal_launches(g: torch.Tensor, outs: list[torch.Tensor], scale: float,
                          gram_fp64: bool) -> list[tuple]:
     """``outs[m] <- scale Q_m`` for the thin QR ``g[m] = Q_m R_m`` (``R`` with a positive
-    diagonal), rounded to the outputs' dtype (one layout); g: ``[M, k, r]`` FP32 (unit column
-    stride not needed), full column rank, ``k >= r``.
+    diagonal), rounded to the outputs' dtype (one layout); g: ``[M, k, r]`` FP32 (any
+    strides), full column rank, ``k >= r``.
 
     ``k >= 4 r``: one CholeskyQR pass. The Gram ``g^T g`` (FP32 from BF16 parts, or FP64 with
     ``gram_fp64``), then ``X = scale L^-1`` of its Cholesky factor in float64 by one program
@@ -1359,8 +1359,8 @@ def _cholesky_inverse_launch(gram: torch.Tensor, work: torch.Tensor, x: torch.Te
         raise ValueError(f"at most {_MAX_GRID_X} matrices per launch, got {gram.shape[0]}")
     return (_cholesky_inverse_kernel, (gram.shape[0],),
             (gram, work, x, gram.shape[1], *_float64_words(scale), *_float64_words(shift or 0.0)),
-            dict(CHOLESKY_TILE, GRAM_DTYPE=_TL_DTYPES[gram.dtype], X_DTYPE=_TL_DTYPES[x.dtype],
-                 SHIFT=shift is not None, enable_fp_fusion=True))
+            dict(CHOLESKY_TILE, X_DTYPE=_TL_DTYPES[x.dtype], SHIFT=shift is not None,
+                 enable_fp_fusion=True))
 
 
 def _product_launch(g: torch.Tensor, x: torch.Tensor, outs: list[torch.Tensor]) -> tuple:
