@@ -452,3 +452,35 @@ def sketch_stats(sketches: list[torch.Tensor], projections: list[torch.Tensor]
             h2[m, e] = (c @ gram).mul_(c).sum().clamp_min(0)
             finite[m, e] = torch.isfinite(c).all()
     return h2, finite
+
+
+# -- RowAdam's moments ----------------------------------------------------------------------
+
+@torch.no_grad()
+def row_adam_(sketches: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+              exp_avg_sqs: list[torch.Tensor], active: torch.Tensor, steps: torch.Tensor,
+              beta1: float, beta2: float, eps: float, maximize: bool) -> None:
+    """RowAdam's moment update and direction, in place, for every matrix ``(m, e)``::
+
+        g = -S if maximize else S                                        (d x r)
+        m <- b1 m + (1 - b1) g,   v <- b2 v + (1 - b2) mean_j g[:, j]^2    where active[m, e]
+        S <- U = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)           t = steps[m, e]
+
+    sketches[m], exp_avgs[m]: ``[E, d, r]`` FP32 (S, m); exp_avg_sqs[m]: ``[E, d]`` FP32 (v);
+    active: ``[M, E]`` bool; steps: ``[M, E]`` int64, the applied-update count t. Elsewhere m
+    and v keep their bits (a select); U is written everywhere (where inactive it may not be
+    finite: the caller gives it coefficient 0). FP32 arithmetic, one torch operation per
+    stack and step of the formula, the bias corrections ``1 - b^t`` formed in float64 and
+    rounded to FP32: RowAdam's bits since its first version. U takes the sketch's storage.
+    """
+    for s, m, v, ok, t in zip(sketches, exp_avgs, exp_avg_sqs, active, steps, strict=True):
+        g = -s if maximize else s
+        ok_rows = ok.view(-1, 1)
+        m.copy_(torch.where(ok_rows[..., None], m.mul(beta1).add_(g, alpha=1.0 - beta1), m))
+        v.copy_(torch.where(ok_rows, v.mul(beta2).add_(g.square().mean(dim=-1),
+                                                        alpha=1.0 - beta2), v))
+        t = t.to(torch.float64)
+        correction1 = (1.0 - beta1 ** t).to(torch.float32).view(-1, 1, 1)
+        correction2 = (1.0 - beta2 ** t).to(torch.float32).view(-1, 1)
+        denom = (v / correction2).sqrt_().add_(eps)
+        torch.div(m, correction1, out=s).div_(denom[..., None])
