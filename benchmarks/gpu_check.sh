@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One call on a machine with a CUDA GPU runs every GPU check and writes the results under
 # benchmarks/results/ (or DIR with --out DIR):
-#   1. the compiled-kernel tests (tests/test_kernels_gpu.py) and the ahead-of-time spill check
-#      (tests/test_kernels_aot.py), pytest output in gpu_check_tests.txt;
-#   2. the kernel benchmark against copy bandwidth, the torch path and fused AdamW
-#      (gpu_kernels.{md,csv,json}, gpu_kernels_sweep.*);
-#   3. a whole RGCOptimizer.step() on Qwen3-1.7B's projections against
-#      torch.optim.AdamW(fused=True), with host synchronisations counted (gpu_step.*).
+#   1. the compiled-kernel tests (tests/test_ops_gpu.py) and the ahead-of-time spill check
+#      (tests/test_ops_aot.py), pytest output in gpu_check_tests.txt;
+#   2. the kernel benchmark against copy bandwidth, the torch path and fused AdamW, one and
+#      eight stacks per launch (gpu_kernels.{md,csv,json}, gpu_kernels_sweep.*);
+#   3. a whole RGCOptimizer.step() on Qwen3-1.7B's projections (rgc.wrap + rgc.RGCOptimizer)
+#      against torch.optim.AdamW(fused=True), with host synchronisations counted and the CUDA
+#      kernels, memcpys and memsets of one step counted by the torch profiler, at full and at
+#      half depth (gpu_step.*): the grouping by shape measured, not only modelled.
 # Every step runs even when an earlier one fails; the exit status is the first failure's.
 #   benchmarks/gpu_check.sh [--out DIR] [--reps N] [--no-sweep]
 set -uo pipefail
@@ -42,7 +44,7 @@ run() {  # run a step, remember the first failure, keep going
 
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
 torch.cuda.get_device_name(), 'CUDA', torch.version.cuda)" || exit 1
-run bash -c "set -o pipefail; '$PY' -m pytest tests/test_kernels_gpu.py tests/test_kernels_aot.py \
+run bash -c "set -o pipefail; '$PY' -m pytest tests/test_ops_gpu.py tests/test_ops_aot.py \
   -q -p no:cacheprovider 2>&1 | tee '$OUT/gpu_check_tests.txt'"
 run "$PY" benchmarks/gpu_kernels.py --out "$OUT" ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
 run "$PY" benchmarks/gpu_kernels.py --step --config benchmarks/configs/qwen3-1.7b.json \

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from benchmarks.common import write_results  # noqa: E402
-from rgc import CompressedLinear, RGCOptimizer, _native  # noqa: E402
+from rgc import CompressedLinear, RGCOptimizer  # noqa: E402
 
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
 clock = CLOCKS["cpu"]
@@ -177,10 +177,10 @@ def run(args) -> list[dict]:
         rows.append(dict(method=name, step_ms=1e3 * med, ns_per_param=1e9 * med / numel,
                          vs_adamw_bf16=ratio(name, "adamw foreach, bf16 params"),
                          vs_rgc_fixed=ratio(name, "rgc (P fixed)")))
-    native = "compiled rounding loop" if _native.library() is not None else "numpy rounding"
     notes = (f"{args.layers} Qwen3-1.7B decoder layers' projections scaled by 1/{args.scale} "
              f"({numel / 1e6:.1f} M weights), rank {args.rank}, {args.threads} torch thread(s), "
-             f"{native}, {args.clock} clock, median of {args.reps} interleaved steps; ratios: "
+             "reference ops (rgc.ops, CPU hash loop through torch.compile), "
+             f"{args.clock} clock, median of {args.reps} interleaved steps; ratios: "
              "median over the repetitions of the ratio within each. "
              "vs_adamw_bf16 < 1 means faster than AdamW; vs_rgc_fixed is the cost relative to "
              "the step with a fixed P (the refresh row: what refreshing P adds).")

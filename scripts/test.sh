@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# Fresh-machine test command: sets up .venv, lints, runs the whole test suite.
+# Fresh-machine test command: sets up .venv, lints, runs the whole test suite. Without
+# arguments the tests that run a vLLM engine follow, in their own environment
+# (scripts/setup_vllm.sh; RGC_SKIP_VLLM=1 leaves them out).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/setup.sh
 ruff check src tests benchmarks examples
 python -m pytest -q "$@"
+if [ $# -eq 0 ] && [ "${RGC_SKIP_VLLM:-0}" != 1 ]; then
+  bash scripts/setup_vllm.sh
+  .venv-vllm/bin/python -m pytest -q tests/test_vllm_engine*.py
+fi

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rgc.ops import run_under_mode
+
 
 class CountHostReads(TorchDispatchMode):
     """``with CountHostReads() as reads: ...``; then ``reads.count`` is the number of reads."""
@@ -18,6 +20,8 @@ class CountHostReads(TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "rgc":  # look inside rgc's operators too
+            return run_under_mode(self, func, args, kwargs)
         if func is torch.ops.aten._local_scalar_dense.default:
             self.count += 1
         return func(*args, **(kwargs or {}))

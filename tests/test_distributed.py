@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import rgc
 from rgc.distributed import DistributedRGCOptimizer, all_reduce_sketches, check_seeds
+from rgc.updates import apply_lowrank_update_
 from tests.test_step_sync import CountSyncs
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
@@ -452,12 +453,12 @@ def test_row_shards_updated_with_their_offset_equal_the_unsharded_update(d, k, r
     sketch = torch.randn(d, r, generator=gen)
     projection = torch.randn(k, r, generator=gen)
     whole, pieces = weight.clone(), weight.clone()
-    rgc.dispatch.lowrank_update_(whole, sketch, projection, 0.3, seed=seed)
+    apply_lowrank_update_(whole, sketch, projection, 0.3, seed=seed)
     chunk = -(-d // world)
     for start in range(0, d, chunk):
         rows = slice(start, start + chunk)
-        rgc.dispatch.lowrank_update_(pieces[rows], sketch[rows], projection, 0.3, seed=seed,
-                                     offset=start * k)
+        apply_lowrank_update_(pieces[rows], sketch[rows], projection, 0.3, seed=seed,
+                              offset=start * k)
     assert torch.equal(whole, pieces)
     assert not torch.equal(whole, weight)
 

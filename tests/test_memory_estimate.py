@@ -300,3 +300,107 @@ def test_allocator_peak_and_held_match_the_estimate(method):
     assert 0 <= got["held_bytes"] - held <= 1024, (got["held_bytes"], held)
     assert abs(est.total - got["peak_bytes"]) <= 0.03 * got["peak_bytes"], (
         est.at_peak, got["peak_bytes"])
+
+
+# -- mixture-of-experts configs -------------------------------------------------------------
+
+def test_qwen3_30b_a3b_figures_by_hand():
+    """Qwen3-30B-A3B: 48 layers of 128 experts, H = 2048, I = 768; r = 64."""
+    cfg = CONFIGS / "qwen3-30b-a3b.json"
+    L, E, h, i, r = 48, 128, 2048, 768, 64
+    experts = L * E * (2 * i * h + h * i)
+    spec = spec_from_config(cfg)
+    assert sum(s.experts * s.d * s.k for s in spec.linears if s.experts > 1) == experts
+    assert round(experts / 1e9, 1) == 29.0 and round(spec.num_params / 1e9, 1) == 30.5
+    stacks = ["gate_up_proj", "down_proj"]
+    ours = estimate_memory(cfg, method="rgc", rank=r, targets=stacks)
+    assert ours.sketch == L * E * 4 * r * (2 * i + h)  # C_e: d x r FP32 per expert
+    assert ours.projections == L * 2 * r * (h + i)  # one P per layer and kind, shared
+    assert round(ours.sketch / GIB, 2) == 5.25 and round(ours.projections / 2**20, 1) == 16.5
+    lora = estimate_memory(cfg, method="lora", rank=r, targets=stacks)
+    assert lora.adapters == L * E * 4 * r * (2 * i + h + h + i)
+    assert round((lora.adapters + lora.gradients + lora.optimizer_state) / GIB, 1) == 37.5
+    assert lora.activations == 2 * experts  # peft's merged W + BA of every stack (BF16)
+    dense = estimate_memory(cfg, method="adamw")
+    assert round(dense.state / GIB) == 455 and round(dense.weights / GIB) == 57
+    row = estimate_memory(cfg, method="rowadam", rank=r, targets=stacks)
+    assert row.optimizer_state == L * E * 4 * (2 * i + h) * (r + 1)
+
+
+def test_qwen3_235b_a22b_experts_share():
+    spec = spec_from_config(CONFIGS / "qwen3-235b-a22b.json")
+    experts = sum(s.experts * s.d * s.k for s in spec.linears if s.experts > 1)
+    assert experts == 94 * 128 * 3 * 1536 * 4096
+    assert round(100 * experts / spec.num_params, 1) == 96.6
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3",
+                                    "glm4_moe", "gpt_oss"])
+def test_moe_config_reads_the_expert_stacks(family):
+    from tests.models import tiny_moe
+
+    model = tiny_moe(family, torch.bfloat16)
+    spec = spec_from_config(model.config.to_dict())
+    stacks = sorted((s.name, s.experts, s.d, s.k, s.bias) for s in spec.linears if s.experts > 1)
+    # 4 experts of 2 x 16 by 32 (gate/up) and 32 by 16 (down), gpt-oss's transposed storage
+    # read as the matrices the layer multiplies by
+    layers = range(1, 3) if family in ("deepseek_v3", "glm4_moe") else range(2)
+    bias = family == "gpt_oss"
+    assert stacks == sorted(
+        [(f"model.layers.{n}.mlp.experts.gate_up_proj", 4, 32, 32, bias) for n in layers]
+        + [(f"model.layers.{n}.mlp.experts.down_proj", 4, 32, 16, bias) for n in layers])
+    assert spec.num_params == sum(p.numel() for p in model.parameters())
+    assert spec_from_module(model).linears == spec.linears
+
+
+def test_moe_estimate_of_a_wrapped_model_matches_its_sketches():
+    from tests.models import tiny_moe
+
+    model = rgc.wrap(tiny_moe("qwen3_moe", torch.bfloat16), rank=4)
+    model(torch.randint(0, 64, (2, 6))).logits.float().square().mean().backward()
+    est = estimate_memory(model, method="rgc", rank=4)
+    owners = [o for _, o in rgc.sketched_weights(model)]
+    assert est.sketch == sum(o.sketch.numel() * 4 for o in owners)
+    assert est.projections == sum(o.projection.numel() * 2 for o in owners)
+
+
+def test_moe_cli_and_fsdp():
+    cfg = CONFIGS / "qwen3-30b-a3b.json"
+    text = rgc.memory.__main__.table(cfg, [64])
+    assert "28.991 B in expert stacks" in text
+    assert "| galore | 64 | n/a | n/a | no expert support |" in text
+    one = estimate_memory(cfg, method="rgc", rank=64)
+    eight = estimate_memory(cfg, method="rgc", rank=64, fsdp=8)
+    assert eight.sketch == one.sketch and eight.weights == -(-one.weights // 8)
+    h, q, kv = 2048, 32 * 128, 4 * 128
+    layer = (q * h + 2 * kv * h + h * q + 2 * 128  # attention and its q/k norms
+             + 128 * 3 * 768 * h + 128 * h + 2 * h)  # experts, router, two norms
+    root = 2 * 151936 * h + h
+    # gathered while backward ends: the root's parameters and two decoder layers, in BF16
+    assert eight.phase == "backward end"
+    assert eight.temporaries == 2 * (root + 2 * layer)
+    with pytest.raises(ValueError, match="not yet for mixture-of-experts"):
+        estimate_memory(cfg, method="rgc", rank=64, batch=1, seq_len=8)
+
+
+def test_peft_lora_on_experts_keeps_merged_stacks_for_backward():
+    """What the LoRA estimate charges for expert stacks is there: with 3 layers, peft's
+    target_parameters LoRA on BF16 experts saves at least 2 layers' merged W + BA copies."""
+    peft = pytest.importorskip("peft")
+    from tests.models import tiny_moe
+
+    def saved(lora_experts):
+        model = tiny_moe("qwen3_moe", torch.bfloat16, hidden=64, expert_inter=40, experts=6,
+                         layers=3)
+        config = (peft.LoraConfig(r=4, target_modules=[], target_parameters=[
+            "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]) if lora_experts
+            else peft.LoraConfig(r=4, target_modules=["q_proj"]))
+        model = peft.get_peft_model(model, config)
+        with track() as t:
+            loss = model(input_ids=torch.randint(0, 64, (2, 5))).logits.float().mean()
+            acts = t.current_breakdown["activations"]
+        del loss
+        return acts
+
+    merged_per_layer = 6 * (80 * 64 + 64 * 40) * 2
+    assert saved(True) - saved(False) >= 2 * merged_per_layer

@@ -7,14 +7,15 @@ import torch.nn as nn
 
 import rgc
 from rgc import CompressedLinear, RGCOptimizer, make_projection
-from rgc.reference import lowrank_update_reference
+from rgc.ops import reference
+from rgc.updates import apply_lowrank_update_
 from tests.models import TinyBlockLM
 
 
 def rebuild_h(sketch, projection, chunk_rows=128):
     """H = C P^T through the library's chunked update of a zero FP32 matrix with coef -1."""
     h = torch.zeros(sketch.shape[0], projection.shape[0])
-    lowrank_update_reference(h, sketch, projection, -1.0, seed=0, chunk_rows=chunk_rows)
+    apply_lowrank_update_(h, sketch, projection, -1.0, seed=0, chunk_rows=chunk_rows)
     return h
 
 
@@ -156,16 +157,17 @@ def test_projections_are_refreshed_after_every_update_of_the_step():
         layer(torch.randn(3, 6)).sum().backward()
     before = [layer.weight.detach().clone() for layer in layers]
     updated_at_refresh = []
-    refresh = opt._refresh
+    refresh = opt._refresh_projections
 
-    def spy(p, layer, state):
+    def spy(entries):
         updated_at_refresh.append([not torch.equal(layer.weight, w)
                                    for layer, w in zip(layers, before, strict=True)])
-        refresh(p, layer, state)
+        assert [e.owner for e in entries] == layers  # all in one batched refresh
+        refresh(entries)
 
-    opt._refresh = spy
+    opt._refresh_projections = spy
     opt.step()
-    assert updated_at_refresh == [[True] * 3] * 3
+    assert updated_at_refresh == [[True] * 3]
     for layer in layers:
         assert layer.projection_version == opt.state[layer.weight]["projection_version"] == 1
         expected = make_projection("orthonormal", 6, 2, seed=layer.projection_seed)
@@ -242,14 +244,16 @@ def test_constructor_errors():
 def test_weight_norm_comes_from_the_previous_update_not_a_new_read(monkeypatch):
     """||W||^2 is produced by the update (equal, bit for bit, to a separate chunked read on the
     reference path) and only re-read from W when something else wrote W."""
-    from rgc import dispatch
-    from rgc.reference import sum_squares_reference
+    original = reference.sum_squares
+
+    def sum_squares_reference(w, chunk_rows):
+        return original([w.unsqueeze(0)], chunk_rows)[0, 0]
 
     layer = one_layer(torch.bfloat16, d=90, k=30, r=4)
     opt = RGCOptimizer([layer.weight], lr=1e-2, chunk_rows=32)
     reads = []
-    monkeypatch.setattr(dispatch, "sum_squares",
-                        lambda w, **kw: reads.append(1) or sum_squares_reference(w, **kw))
+    monkeypatch.setattr(reference, "sum_squares",
+                        lambda ws, c: reads.append(1) or original(ws, c))
     x = torch.randn(8, 30, dtype=torch.bfloat16)
     for step in range(3):
         layer(x).float().square().sum().backward()

@@ -1,14 +1,15 @@
 import math
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rgc import PROJECTION_KINDS, _native, make_projection
-from rgc.projection import _box_muller_numpy, _gaussian_torch, gaussian_matrix
+import rgc
+from rgc import PROJECTION_KINDS, make_projection
+from rgc.ops import reference
+from rgc.ops.reference import box_muller
+from rgc.projection import advance_projections, gaussian_matrix, projections
 from rgc.rounding import random_bits
 from tests.host_reads import CountHostReads
 
@@ -76,10 +77,6 @@ def test_unknown_kind():
 
 # --- how P is generated: against plain float64 statements of the definitions ---------------
 
-def _no_native(monkeypatch):
-    monkeypatch.setattr(_native, "library", lambda: None)
-
-
 def box_muller_reference(k, r, seed):
     """G of the module docstring in float64, from the int64 statement of the hash words."""
     h = (r + 1) // 2
@@ -93,35 +90,57 @@ def box_muller_reference(k, r, seed):
 
 @given(k=st.integers(1, 40), r=st.integers(1, 40), seed=st.integers(0, 2**63 - 1))
 def test_gaussian_matrix_is_box_muller_of_the_hash_words(k, r, seed):
-    # The CPU polynomials (compiled loop and numpy twin) and torch's log/cos/sin (the path of
-    # other devices) stay within 2e-6 of float64 Box-Muller; |G| <= 5.8, float32 ulp ~5e-7.
+    # The float32 polynomials stay within 2e-6 of float64 Box-Muller; |G| <= 5.8, float32
+    # ulp ~5e-7.
     want = box_muller_reference(k, r, seed)
     got = gaussian_matrix(k, r, seed=seed)
     assert got.shape == (k, r) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=0)
-    h = (r + 1) // 2
-    other = _gaussian_torch(k, h, seed=seed, device="cpu")[:, :r]
-    torch.testing.assert_close(other.double(), want, atol=2e-6, rtol=0)
+
+
+@given(k=st.integers(1, 40), r=st.integers(1, 40), seeds=st.lists(
+    st.integers(0, 2**63 - 1), min_size=1, max_size=4), kind=st.sampled_from(PROJECTION_KINDS),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_a_batch_of_projections_has_the_bits_of_each_alone(k, r, seeds, kind, dtype):
+    """A refresh regenerates every P of a group at once; a receiver regenerates one: the
+    same bits (each matrix's arithmetic does not depend on its batch)."""
+    if kind == "orthonormal" and r > k:
+        return
+    batch = projections(kind, k, r, seeds, device="cpu", dtype=dtype)
+    for i, seed in enumerate(seeds):
+        assert torch.equal(batch[i], make_projection(kind, k, r, seed=seed, dtype=dtype))
 
 
 @given(k=st.integers(1, 70), r=st.integers(1, 70), seed=st.integers(0, 2**63 - 1))
-def test_compiled_and_numpy_gaussians_are_bit_identical(k, r, seed):
-    if _native.library() is None:
-        pytest.skip("no C compiler: only the numpy path exists here")
+def test_compiled_and_eager_gaussians_are_bit_identical(k, r, seed):
+    """The CPU compiles the Box-Muller loop; its float operations are the eager ones, so
+    compiling changes no bit (and the eager path, which runs under dispatch modes and where
+    torch.compile cannot, gives the same G)."""
     compiled = gaussian_matrix(k, r, seed=seed)
     with pytest.MonkeyPatch.context() as mp:
-        _no_native(mp)
-        assert torch.equal(gaussian_matrix(k, r, seed=seed), compiled)
+        mp.setattr(reference, "_int32_loop", lambda fn, device: fn)
+        assert torch.equal(gaussian_matrix(k, r, seed=seed).view(torch.int32),
+                           compiled.view(torch.int32))
+
+
+def test_advance_projections_moves_each_owner_to_its_next_version():
+    layers = [rgc.CompressedLinear(12, 5, rank=3, seed=s) for s in range(3)]
+    layers.append(rgc.CompressedLinear(20, 5, rank=3, seed=9, projection="rademacher"))
+    advance_projections(layers)
+    for layer in layers:
+        assert layer.projection_version == 1
+        assert torch.equal(layer.projection, make_projection(
+            layer.projection_kind, layer.in_features, 3, seed=layer.projection_seed))
 
 
 def test_gaussian_rows_are_symmetric_under_negation_bit_for_bit():
     # The quadrant construction: flipping bit 1 of the quadrant negates the pair exactly, so
-    # a row's law is exactly symmetric. Checked on the numpy twin with hand-made words.
-    w0 = np.arange(0, 1 << 24, 4099, dtype=np.uint32)
-    w1 = (w0 * np.uint32(2654435761)) & np.uint32(0xFFFFFF)
-    c1, s1 = _box_muller_numpy(w0, w1)
-    c2, s2 = _box_muller_numpy(w0, w1 ^ np.uint32(1 << 23))
-    assert np.array_equal(c2, -c1) and np.array_equal(s2, -s1)
+    # a row's law is exactly symmetric. Checked with hand-made words.
+    w0 = torch.arange(0, 1 << 24, 4099, dtype=torch.int32)
+    w1 = (w0.to(torch.int64) * 2654435761 & 0xFFFFFF).to(torch.int32)
+    c1, s1 = box_muller(w0, w1)
+    c2, s2 = box_muller(w0, w1 ^ (1 << 23))
+    assert torch.equal(c2, -c1) and torch.equal(s2, -s1)
 
 
 def test_rademacher_signs_are_the_top_bit_of_each_word():
@@ -180,115 +199,3 @@ def test_generation_reads_no_tensor_value_on_the_host(kind, k):
 def test_too_large_a_projection_is_refused_before_allocating():
     with pytest.raises(ValueError, match="too large"):
         gaussian_matrix(2**26, 64, seed=0)
-
-
-# --- the compiled CPU CholeskyQR (rgc._native.rgc_cholesky_qr) --------------------------------
-
-needs_native = pytest.mark.skipif(_native.library() is None, reason="no C compiler here")
-
-
-@needs_native
-@given(r=st.integers(1, 40), extra=st.integers(0, 90), seed=st.integers(0, 2**63 - 1),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
-def test_compiled_orthonormal_is_the_sign_corrected_qr_of_g(r, extra, seed, dtype):
-    # Reference: float64 Householder QR of the same G. FP32 P: within 1e-6 sqrt(k/r) (G is
-    # well conditioned for k >= 4r); BF16 P: the reference rounded to nearest, give or take
-    # one BF16 step where the FP32 value lies within 1e-6 of a rounding boundary.
-    k = 4 * r + extra
-    g = gaussian_matrix(k, r, seed=seed).double()
-    q, upper = torch.linalg.qr(g)
-    want = q * torch.sign(torch.diagonal(upper)) * math.sqrt(k / r)
-    got = make_projection("orthonormal", k, r, seed=seed, dtype=dtype).double()
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, want, atol=1e-6 * math.sqrt(k / r), rtol=0)
-    else:
-        step = torch.finfo(torch.bfloat16).eps * want.abs()  # one BF16 step, at most
-        assert ((got - want).abs() <= step / 2 + 1e-6 * math.sqrt(k / r)).all()
-
-
-@needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_and_torch_orthonormal_agree(monkeypatch, dtype):
-    # The path without a compiler (torch's BLAS) computes the same P up to rounding.
-    for k, r in [(64, 16), (200, 7), (513, 33)]:
-        compiled = make_projection("orthonormal", k, r, seed=k, dtype=dtype).double()
-        with pytest.MonkeyPatch.context() as mp:
-            _no_native(mp)
-            plain = make_projection("orthonormal", k, r, seed=k, dtype=dtype).double()
-        tol = 2e-6 if dtype == torch.float32 else 2 * torch.finfo(torch.bfloat16).eps
-        torch.testing.assert_close(compiled, plain, atol=tol * math.sqrt(k / r), rtol=0)
-
-
-def _cholesky_qr(lib, g: torch.Tensor, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
-    """rgc_cholesky_qr of one library build on G (k x r FP32): (status, P)."""
-    k, r = g.shape
-    ld = -(-r // 16) * 16
-    rows = torch.zeros(k, ld)
-    rows[:, :r] = g
-    work = torch.zeros(_native.cholesky_qr_work_floats(r))
-    out = torch.full((k, r), -7.0, dtype=dtype)
-    status = lib.rgc_cholesky_qr(rows.data_ptr(), k, r, ld, int(dtype == torch.float32),
-                                 math.sqrt(k / r), out.data_ptr(), int(dtype == torch.bfloat16),
-                                 work.data_ptr())
-    return status, out
-
-
-@needs_native
-def test_compiled_orthonormal_has_the_same_bits_for_every_vector_width():
-    # Every lane performs the same IEEE operations (fused multiply-adds included), so builds
-    # for AVX-512, AVX2 and plain scalar code (where this CPU runs them) give the same bits.
-    builds = {"native": _native.library(), "scalar": _native._compile([()]),
-              "RGC_SCALAR": _native._compile([("-march=native", "-DRGC_SCALAR")])}
-    flags = open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").exists() else ""
-    if " avx2 " in flags and " fma " in flags:
-        builds["avx2"] = _native._compile([("-mavx2", "-mfma", "-mno-avx512f")])
-    assert builds["scalar"] is not None and not builds["RGC_SCALAR"].fast_fma
-    for k, r in [(40, 10), (300, 64), (77, 17)]:
-        g = gaussian_matrix(k, r, seed=r)
-        for dtype in (torch.float32, torch.bfloat16):
-            results = {name: _cholesky_qr(lib, g, dtype) for name, lib in builds.items()}
-            for name, (status, out) in results.items():
-                assert status == 0, name
-                assert torch.equal(out, results["native"][1]), (name, k, r, dtype)
-
-
-@needs_native
-def test_compiled_cholesky_qr_refuses_a_rank_deficient_g():
-    g = gaussian_matrix(64, 8, seed=0)
-    g[:, 3] = g[:, 5]  # two equal columns: the Gram is singular
-    status, out = _cholesky_qr(_native.library(), g, torch.float32)
-    assert status == 1 and (out == -7.0).all()  # out untouched
-
-
-@needs_native
-def test_a_degenerate_g_falls_back_to_torch(monkeypatch):
-    # make_projection then runs the torch path on the same G; here the C routine is made to
-    # report failure, and the result must still be the plain path's.
-    class Failing:
-        def __init__(self, lib):
-            self._lib = lib
-
-        def __getattr__(self, name):
-            return getattr(self._lib, name)
-
-        @staticmethod
-        def rgc_cholesky_qr(*args):
-            return 1
-
-    lib = _native.library()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_native, "library", lambda: Failing(lib))
-        got = make_projection("orthonormal", 64, 8, seed=2)
-    with pytest.MonkeyPatch.context() as mp:
-        _no_native(mp)
-        want = make_projection("orthonormal", 64, 8, seed=2)
-    assert torch.equal(got, want)
-
-
-def test_the_reused_cpu_workspace_does_not_change_p():
-    # Projections of other shapes built in between (the workspace is shared and regrown).
-    first = make_projection("orthonormal", 96, 12, seed=5, dtype=torch.bfloat16)
-    for k, r in [(4000, 64), (96, 12), (33, 30), (500, 3)]:
-        make_projection("orthonormal", k, r, seed=1)
-    assert torch.equal(make_projection("orthonormal", 96, 12, seed=5, dtype=torch.bfloat16),
-                       first)

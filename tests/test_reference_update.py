@@ -1,4 +1,5 @@
-"""The reference low-rank update against the shared update contract, with float64 oracles."""
+"""The low-rank update (reference path on the CPU) against the shared update contract, with
+float64 oracles."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rgc.reference import lowrank_update_reference, sum_squares_reference
+from rgc.updates import apply_lowrank_update_ as lowrank_update_reference
+from rgc.updates import sum_squares as sum_squares_reference
 from tests.test_step_sync import CountSyncs
 
 

@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rgc
+from rgc.ops import run_under_mode
 from tests.models import TinyBlockLM
 
 _CPU_ONLY = '.device.type == "cpu"'
@@ -37,6 +38,8 @@ class CountSyncs(TorchDispatchMode):
         self.cpu_only: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "rgc":  # look inside rgc's operators too
+            return run_under_mode(self, func, args, kwargs)
         if func is torch.ops.aten._local_scalar_dense.default:
             frames = [f for f in traceback.extract_stack() if "/rgc/" in f.filename]
             frame = frames[-1] if frames else traceback.extract_stack()[-2]
@@ -103,14 +106,19 @@ def test_counter_sees_a_host_read():
     """The counter itself: a bool() inside step() is seen (the test above can fail)."""
     model = _model(2, torch.float32, "rgc")
     opt = rgc.RGCOptimizer(model.parameters(), lr=1e-2)
-    original = opt._finite
+    finite, count_skips = opt._finite, opt._count_skips
 
     def syncing_finite(state, values):
-        ok = original(state, values)
+        ok = finite(state, values)
         bool(ok)
         return ok
 
-    opt._finite = syncing_finite
+    def syncing_count_skips(entries, ok):
+        count_skips(entries, ok)
+        for row in ok:
+            bool(row.all())
+
+    opt._finite, opt._count_skips = syncing_finite, syncing_count_skips
     counter = _count_steps(model, opt, steps=1)
     assert sum(counter.syncs.values()) == len(opt.state) > 0  # one per updated parameter
 

@@ -1,11 +1,20 @@
 """rgc: randomized gradient compression for full-weight RL post-training of LLMs."""
 
-from rgc import compute, distributed, memory
+from rgc import compute, distributed, experts, memory
 from rgc.calibrate import calibrate_lr
 from rgc.control import PredictedKL
+from rgc.coverage import wrap_summary
 from rgc.distributed import DistributedRGCOptimizer
 from rgc.memory import estimate_memory
-from rgc.nn import CompressedLinear, compressed_layers, unwrap, wrap
+from rgc.nn import (
+    DEFAULT_TARGETS,
+    CompressedLinear,
+    compressed_layers,
+    router_parameters,
+    sketched_weights,
+    unwrap,
+    wrap,
+)
 from rgc.optim import RGCOptimizer, RowAdam
 from rgc.projection import PROJECTION_KINDS, make_projection
 from rgc.rounding import stochastic_round
@@ -14,6 +23,7 @@ from rgc.sync import apply_update
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_TARGETS",
     "PROJECTION_KINDS",
     "CompressedLinear",
     "DistributedRGCOptimizer",
@@ -26,9 +36,13 @@ __all__ = [
     "compute",
     "distributed",
     "estimate_memory",
+    "experts",
     "make_projection",
     "memory",
+    "router_parameters",
+    "sketched_weights",
     "stochastic_round",
     "unwrap",
     "wrap",
+    "wrap_summary",
 ]

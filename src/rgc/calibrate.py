@@ -6,8 +6,8 @@ import math
 
 import torch.nn as nn
 
-from rgc import dispatch
-from rgc.nn import compressed_layers
+from rgc.nn import sketched_weights
+from rgc.updates import sum_squares
 
 
 def calibrate_lr(model: nn.Module, adamw_lr: float = 1e-6) -> float:
@@ -21,15 +21,17 @@ def calibrate_lr(model: nn.Module, adamw_lr: float = 1e-6) -> float:
         tau = adamw_lr * sqrt(N) / ||W|| = adamw_lr / rms(W)
 
     where rms is the root mean square of all compressed weight elements of ``model`` (which
-    must be wrapped with :func:`rgc.wrap`). METHOD.md's recipe then tries tau and 3 * tau.
+    must be wrapped with :func:`rgc.wrap`), expert stacks included. METHOD.md's recipe then
+    tries tau and 3 * tau.
     """
     if not (adamw_lr > 0):
         raise ValueError(f"adamw_lr must be > 0, got {adamw_lr!r}")
-    layers = compressed_layers(model)
-    if not layers:
+    weights = [owner.weight for _, owner in sketched_weights(model)]
+    if not weights:
         raise ValueError("calibrate_lr needs a wrapped model; call rgc.wrap(model, rank) first")
-    sum_sq = sum(float(dispatch.frobenius_norm(layer.weight)) ** 2 for _, layer in layers)
-    numel = sum(layer.weight.numel() for _, layer in layers)
+    # an expert stack [E, a, b] is read as E*a rows of b (row chunks, not chunks of experts)
+    sum_sq = sum(float(sum_squares(w.reshape(-1, w.shape[-1])).sqrt()) ** 2 for w in weights)
+    numel = sum(w.numel() for w in weights)
     if sum_sq == 0.0:
         raise ValueError("the compressed weights are all zero; tau cannot be calibrated")
     return adamw_lr * math.sqrt(numel / sum_sq)

@@ -37,12 +37,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim import Optimizer
 
-from rgc import dispatch
-from rgc.nn import CompressedLinear, compressed_layer_of
-from rgc.optim.base import group_lr, rounding_seed
+from rgc.nn import compressed_layer_of
+from rgc.optim.base import Entry, group_lr, rounding_seed
 from rgc.optim.rgc import RGCOptimizer, normalized_coef
+from rgc.registry import sketched_owner_of
 from rgc.seeding import derive_seed
-from rgc.updates import apply_dense_update_
+from rgc.updates import apply_dense_update_, apply_lowrank_update_, sum_squares
 
 try:
     from torch.distributed.tensor import DTensor, Shard
@@ -89,7 +89,7 @@ def _params_of(obj) -> list[torch.Tensor]:
 def _fingerprint(obj) -> list[int]:
     """One integer per field of ``_FINGERPRINT_FIELDS``, each in [0, 2**63)."""
     params = _params_of(obj)
-    layers = [(i, compressed_layer_of(p)) for i, p in enumerate(params)]
+    layers = [(i, sketched_owner_of(p)) for i, p in enumerate(params)]
     layers = [(i, layer) for i, layer in layers if layer is not None]
     shapes = derive_seed(len(params), *[x for p in params for x in (p.dim(), *p.shape)])
     seeds = derive_seed(len(layers), *[x for i, layer in layers for x in (i, layer.seed)])
@@ -207,8 +207,8 @@ def _all_reduce_mean(slots: list[_Slot], group, bucket_bytes: int) -> int:
     return sent
 
 
-def _sketch_slot(layer: CompressedLinear) -> _Slot:
-    return _Slot(layer.sketch, (layer.out_features, layer.rank), torch.float32,
+def _sketch_slot(layer) -> _Slot:
+    return _Slot(layer.sketch, tuple(layer.sketch_shape), torch.float32,
                  layer.weight.device, lambda t: setattr(layer, "sketch", t))
 
 
@@ -221,7 +221,7 @@ def _replicated_slots(params: list[torch.Tensor]) -> list[_Slot]:
     for p in params:
         if isinstance(p, DTensor) or not p.requires_grad:
             continue
-        layer = compressed_layer_of(p)
+        layer = sketched_owner_of(p)
         if layer is None:
             slots.append(_grad_slot(p))
             continue
@@ -289,7 +289,7 @@ def _check_sharded(p: DTensor) -> None:
             f"Shard(0)); got placements {tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh")
 
 
-def _reduce_scatter_rows(items: list[tuple[DTensor, CompressedLinear]], group,
+def _reduce_scatter_rows(items: list[tuple[DTensor, object]], group,
                          bucket_bytes: int) -> tuple[dict[int, torch.Tensor], int]:
     """Sum the sketches over ranks and keep this rank's rows, divided by the world size.
 
@@ -343,7 +343,7 @@ class DistributedRGCOptimizer(RGCOptimizer):
       are reduce-scattered so that each rank holds the ``C`` rows of the weight rows it owns; the
       squared norms ``||W||^2``, ``||H||^2 = sum((C G) * C)`` with ``G = P^T P`` (r x r), and a
       non-finite count are summed with one all-reduce of three FP32 scalars per parameter; each
-      rank then updates its rows through ``rgc.dispatch.lowrank_update_`` with rounding offset
+      rank then updates its rows through ``rgc.ops.lowrank_update_`` with rounding offset
       ``first_row * k``, exactly the bits those rows get in the unsharded update. No rank forms
       more than ``chunk_rows x k`` of ``H`` (the kernel path none at all), nor a d x k gradient.
       Other trainable DTensor parameters use FSDP's averaged ``.grad`` with the same
@@ -377,6 +377,13 @@ class DistributedRGCOptimizer(RGCOptimizer):
         sharded = [p for p in _params_of(self) if isinstance(p, DTensor)]
         for p in sharded:
             _check_sharded(p)
+            owner = sketched_owner_of(p)
+            if owner is not None and owner.num_matrices > 1:
+                raise NotImplementedError(
+                    f"a sketched stack of {owner.num_matrices} experts is sharded by FSDP2 "
+                    "(fully_shard); DistributedRGCOptimizer updates expert stacks under data "
+                    "parallel only: leave the experts modules out of fully_shard, or train "
+                    "them on one process")
         if any(p.device_mesh != sharded[0].device_mesh for p in sharded):
             raise NotImplementedError("all sharded parameters must share one device mesh")
         self._mesh_group = sharded[0].device_mesh.get_group() if sharded else None
@@ -386,7 +393,7 @@ class DistributedRGCOptimizer(RGCOptimizer):
     def _init_state(self, p, layer):
         # Always with the layer's seed and version: torch.distributed.checkpoint builds its load
         # template from a step with zero dense gradients, and loads only the keys it finds there.
-        return super()._init_state(p, layer if layer is not None else compressed_layer_of(p))
+        return super()._init_state(p, layer if layer is not None else sketched_owner_of(p))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -395,31 +402,24 @@ class DistributedRGCOptimizer(RGCOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        entries = [(i, p, g) for i, (p, g) in enumerate(
-            (p, g) for g in self.param_groups for p in g["params"])]
+        params = [p for g in self.param_groups for p in g["params"]]
         self.last_comm_bytes = 0
         if _is_active(self._group):
-            slots = _replicated_slots([p for _, p, _ in entries])
-            self.last_comm_bytes += _all_reduce_mean(slots, self._group, self._bucket_bytes)
+            self.last_comm_bytes += _all_reduce_mean(_replicated_slots(params), self._group,
+                                                     self._bucket_bytes)
+        entries = [(i, p, g) for i, (p, g) in enumerate(
+            (p, g) for g in self.param_groups for p in g["params"])]
         sharded = [(i, p, g) for i, p, g in entries if isinstance(p, DTensor) and p.requires_grad]
-        self._deferred_refreshes = []  # as SketchOptimizer.step: projections after all updates
-        try:
-            if sharded:
-                self._step_sharded(sharded)
-            for index, p, group in entries:
-                if isinstance(p, DTensor):
-                    continue
-                layer = compressed_layer_of(p)
-                if layer is not None and layer.sketch is not None:
-                    self._step_compressed(p, layer, group, index)
-                elif p.grad is not None:
-                    self._step_dense(p, group, index)
-        finally:
-            self._run_deferred_refreshes()
+        stacks, dense = self._gather(exclude=lambda p: isinstance(p, DTensor))
+        finished = self._step_sharded(sharded) if sharded else []
+        self._step_entries((stacks, dense), None, None)
+        self._finish([finished])
         self.steps_taken += 1
         return loss
 
-    def _step_sharded(self, entries: list) -> None:
+    def _step_sharded(self, entries: list) -> list[Entry]:
+        """Update the local rows of every sharded parameter; returns the compressed ones'
+        entries, to be finished (sketch cleared, projection refreshed) with the others."""
         compressed = [(p, compressed_layer_of(p)) for _, p, _ in entries]
         compressed = [(p, layer) for p, layer in compressed if layer is not None]
         local, sent = _reduce_scatter_rows(compressed, self._mesh_group, self._bucket_bytes)
@@ -442,22 +442,21 @@ class DistributedRGCOptimizer(RGCOptimizer):
                 work.append((index, p, group, None, g_local, start))
             else:
                 continue
-            w_sq = dispatch.sum_squares(w_local, chunk_rows=group["chunk_rows"])
+            w_sq = sum_squares(w_local, chunk_rows=group["chunk_rows"])
             sums.append(torch.stack([w_sq, h2, bad.to(torch.float32)]))
         if not work:
-            return
+            return []
         totals = torch.stack(sums)
         dist.all_reduce(totals, group=self._mesh_group)
         self.last_comm_bytes += totals.numel() * totals.element_size()
-        # FP32 square roots, as RGCOptimizer takes them; the coefficients stay on the device
-        norms = totals[:, :2].sqrt()
+        finished = []
         for row, (index, p, group, layer, local_value, start) in enumerate(work):
             state = self._init_state(p, layer)
             state["step"] += 1
             ok = totals[row, 2] == 0
             state["skipped"] += ~ok
-            coef, _ = normalized_coef(norms[row, 0], norms[row, 1], group_lr(group, totals.device),
-                                      ok)
+            coef, _ = normalized_coef(totals[row, 0], totals[row, 1],
+                                      group_lr(group, totals.device), ok)
             if group["maximize"]:
                 coef = -coef
             seed = rounding_seed(group["seed"], index, int(state["step"]))
@@ -465,13 +464,13 @@ class DistributedRGCOptimizer(RGCOptimizer):
             row_len = w_local[0].numel() if w_local.dim() > 1 else 1
             if layer is not None:
                 if w_local.shape[0]:
-                    dispatch.lowrank_update_(
+                    apply_lowrank_update_(
                         w_local, local_value, layer.projection, coef, seed=seed,
                         offset=start * row_len, chunk_rows=group["chunk_rows"],
                         stochastic_rounding=group["stochastic_rounding"])
+                finished.append(Entry(p, layer, group, state, seed))
             else:
                 apply_dense_update_(w_local, local_value, coef, seed=seed,
                                     offset=start * row_len,
                                     stochastic_rounding=group["stochastic_rounding"])
-            if layer is not None:
-                self._finish_layer(p, layer, state)
+        return finished

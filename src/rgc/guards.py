@@ -29,6 +29,8 @@ import weakref
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from rgc.registry import SUPPORTED_WEIGHT_DTYPES, sketched_owner_of
+
 _GUARD_HANDLE = None
 _WRAPPED_ROOTS: weakref.WeakSet = weakref.WeakSet()
 _PEFT_CHECKED: weakref.WeakSet = weakref.WeakSet()
@@ -80,39 +82,46 @@ def register_wrapped(model: nn.Module) -> None:
     install_step_guard()
 
 
-def _peft_around_compressed() -> str | None:
-    from rgc.nn import CompressedLinear
+def _holds_sketched_weight(module: nn.Module) -> bool:
+    return any(sketched_owner_of(p) is not None for p in module.parameters(recurse=False))
 
+
+def _peft_around_compressed() -> str | None:
     for root in list(_WRAPPED_ROOTS):
         for module in root.modules():
-            if is_peft_layer(module) and any(isinstance(c, CompressedLinear)
+            if is_peft_layer(module) and any(_holds_sketched_weight(c)
                                              for c in module.children()):
                 name = next(n for n, m in root.named_modules() if m is module)
                 return f"{type(module).__name__} at {name!r}"
     return None
 
 
-def _step_guard(optimizer, args, kwargs) -> None:
-    from rgc.nn import SUPPORTED_WEIGHT_DTYPES, compressed_layer_of
-    from rgc.optim.base import SketchOptimizer
+def _describe(owner) -> str:
+    if owner.num_matrices == 1:
+        return f"CompressedLinear ({owner.out_features} x {owner.in_features})"
+    return (f"sketched expert stack ({owner.num_matrices} experts of {owner.out_features} x "
+            f"{owner.in_features})")
 
-    is_rgc = isinstance(optimizer, SketchOptimizer)
+
+def _step_guard(optimizer, args, kwargs) -> None:
+    # rgc's optimizers say so with a class attribute: importing rgc.optim here would be a cycle
+    is_rgc = getattr(optimizer, "updates_sketched_weights", False)
     for group in optimizer.param_groups:
         for p in group["params"]:
-            layer = compressed_layer_of(p)
+            layer = sketched_owner_of(p)
             if layer is None:
                 continue
             if not is_rgc and p.requires_grad:
                 raise RuntimeError(
-                    f"{type(optimizer).__name__} is stepping the weight of a CompressedLinear "
-                    f"({layer.out_features} x {layer.in_features}); a compressed weight has no "
+                    f"{type(optimizer).__name__} is stepping the weight of a "
+                    f"{_describe(layer)}; a compressed weight has no "
                     ".grad (its gradient is the sketch), so this optimizer would change nothing. "
                     "Use rgc.RGCOptimizer or rgc.RowAdam for the compressed weights (with "
                     "transformers/TRL: rgc.integrations.with_rgc(TrainerClass)(...), which "
                     "builds one), or rgc.unwrap(model) to train densely")
             if is_rgc and p.dtype not in SUPPORTED_WEIGHT_DTYPES:
                 raise TypeError(
-                    f"a compressed weight ({layer.out_features} x {layer.in_features}) has dtype "
+                    f"a compressed weight ({_describe(layer)}) has dtype "
                     f"{p.dtype}; rgc updates {SUPPORTED_WEIGHT_DTYPES} weights only (was the "
                     "model converted after rgc.wrap?). Convert it back, e.g. "
                     "model.to(torch.bfloat16), before optimizer.step()")

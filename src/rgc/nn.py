@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn as nn
 
 from rgc.autograd import SketchedLinearFunction, linear_in
+from rgc.coverage import warn_coverage_gap
+from rgc.experts import (
+    expert_weight_names,
+    is_sketched_experts,
+    router_modules,
+    sketch_experts,
+    unsketch_experts,
+)
+from rgc.experts.module import check_experts
 from rgc.guards import check_wrap_targets, install_step_guard, register_wrapped
-from rgc.projection import check_rank, make_projection
+from rgc.projection import check_rank
+from rgc.registry import SUPPORTED_WEIGHT_DTYPES, register_owner, sketched_owner_of
 from rgc.seeding import derive_seed
-
-SUPPORTED_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
+from rgc.sketched import SketchedWeight, check_refresh
 
 #: Default target names: the attention and MLP projections of Llama/Qwen/Mistral-style models
 #: and their common aliases (GPT-2/nanoGPT, GPT-NeoX, Falcon, original Llama/Mistral code).
@@ -25,64 +33,14 @@ DEFAULT_TARGETS = frozenset({
     "wq", "wk", "wv", "wo", "w1", "w2", "w3",
 })
 
-# id(weight) -> (weakref to weight, weakref to its CompressedLinear). Keyed by id because
-# tensors compare elementwise, which rules out a WeakKeyDictionary.
-_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-
-
-def _register_owner(weight: torch.Tensor, layer: CompressedLinear) -> None:
-    key = id(weight)
-    entry = _OWNERS.get(key)
-    if entry is not None and entry[0]() is weight and entry[1]() is layer:
-        return
-    _OWNERS[key] = (weakref.ref(weight, lambda _: _OWNERS.pop(key, None)), weakref.ref(layer))
-
 
 def compressed_layer_of(param: torch.Tensor) -> CompressedLinear | None:
     """The :class:`CompressedLinear` whose weight is ``param``, or ``None``."""
-    entry = _OWNERS.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]()
+    owner = sketched_owner_of(param)
+    return owner if isinstance(owner, CompressedLinear) else None
 
 
-def _check_refresh(refresh) -> None:
-    ok = refresh in ("every_step", "never") or (
-        isinstance(refresh, int) and not isinstance(refresh, bool) and refresh >= 1)
-    if not ok:
-        raise ValueError(
-            f"refresh must be 'every_step', 'never' or a positive int N (every N updates), "
-            f"got {refresh!r}")
-
-
-_ZEROS: dict[torch.device, torch.Tensor] = {}
-
-
-def _zero_scalar(device: torch.device) -> torch.Tensor:
-    """One FP32 zero per device, the storage behind every sketch slot (never written)."""
-    device = torch.device(device)
-    if device not in _ZEROS:
-        _ZEROS[device] = torch.zeros(1, dtype=torch.float32, device=device)
-    return _ZEROS[device]
-
-
-def _take_sketch(layer_ref: weakref.ref, slot: torch.Tensor) -> None:
-    """Move the gradient autograd accumulated on a sketch slot into ``layer.sketch``."""
-    grad, slot.grad = slot.grad, None
-    layer = layer_ref()
-    if layer is None:
-        return
-    if slot is not layer._sketch_slot:
-        raise RuntimeError(
-            "the projection of this CompressedLinear changed between forward and backward "
-            "(optimizer.step() ran in between); call backward before step()")
-    if layer.sketch is None:
-        layer.sketch = grad
-    else:
-        layer.sketch.add_(grad)
-
-
-class CompressedLinear(nn.Linear):
+class CompressedLinear(SketchedWeight, nn.Linear):
     """Drop-in ``nn.Linear`` whose weight is trained from a rank-``r`` gradient sketch.
 
     Same ``weight`` (d x k) and ``bias`` parameters and state_dict keys as ``nn.Linear``.
@@ -125,66 +83,20 @@ class CompressedLinear(nn.Linear):
 
     def _setup(self, rank: int, projection: str, refresh, seed: int) -> None:
         check_rank(projection, self.in_features, rank)
-        _check_refresh(refresh)
         if self.weight.dtype not in SUPPORTED_WEIGHT_DTYPES:
             raise TypeError(
                 f"CompressedLinear supports weights in {SUPPORTED_WEIGHT_DTYPES}, got "
                 f"{self.weight.dtype}; convert the model first, e.g. model.to(torch.bfloat16)")
-        self.rank = rank
-        self.projection_kind = projection
-        self.refresh = refresh
-        self.seed = int(seed)
-        self.projection_version = 0
-        self.sketch: torch.Tensor | None = None
+        self._setup_sketching(rank, projection, refresh, seed)
         self.compute_dtype: torch.dtype | None = None
         self.register_buffer("projection", self._make_projection(), persistent=False)
         self._new_sketch_slot()
-        _register_owner(self.weight, self)
+        self._register()
         install_step_guard()
 
-    def _make_projection(self) -> torch.Tensor:
-        return make_projection(
-            self.projection_kind, self.in_features, self.rank,
-            seed=self.projection_seed, device=self.weight.device, dtype=self.weight.dtype)
-
-    @property
-    def projection_seed(self) -> int:
-        """Seed of the current ``P``: a function of the layer seed and the version."""
-        return derive_seed(self.seed, self.projection_version)
-
-    def set_projection_version(self, version: int, *, renew_sketch_slot: bool = True) -> None:
-        """Regenerate ``P`` for ``version`` (in place, keeping the buffer).
-
-        A new sketch slot makes the backward of a forward run with the old ``P`` fail.
-        ``renew_sketch_slot=False`` leaves that to the caller (``_new_sketch_slot()``): an
-        optimizer renews every slot after all the projections of a step, since interleaved
-        with the regeneration the slots cost a CPU refresh about 10% more.
-        """
-        self.projection_version = int(version)
-        make_projection(self.projection_kind, self.in_features, self.rank,
-                        seed=self.projection_seed, out=self.projection)
-        if renew_sketch_slot:
-            self._new_sketch_slot()
-
-    def _new_sketch_slot(self) -> None:
-        """A fresh sketch slot: a d x r FP32 leaf with zero strides (no storage of its own).
-
-        The backward of :class:`SketchedLinearFunction` returns the sketch ``D^T (X P)`` as the
-        gradient of this leaf; autograd's accumulation (outside any compiled graph) hands it to
-        :meth:`_take_sketch`, which adds it to ``self.sketch``. A slot belongs to one
-        projection: it is replaced when ``P`` changes.
-        """
-        slot = _zero_scalar(self.weight.device).as_strided(
-            (self.out_features, self.rank), (0, 0)).requires_grad_(True)
-        layer_ref = weakref.ref(self)
-        slot.register_post_accumulate_grad_hook(lambda t: _take_sketch(layer_ref, t))
-        self._sketch_slot = slot
-
-    def zero_sketch(self, set_to_none: bool = True) -> None:
-        if set_to_none:
-            self.sketch = None
-        elif self.sketch is not None:
-            self.sketch.zero_()
+    def weight_matrices(self) -> torch.Tensor:
+        """The weight as a stack of one d x k matrix, ``[1, d, k]`` (a view)."""
+        return self.weight.unsqueeze(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.weight.requires_grad:
@@ -198,7 +110,7 @@ class CompressedLinear(nn.Linear):
         # DTensor and swaps the gathered weight in and out around forward) must keep
         # compressed_layer_of(param) working for whatever Parameter the optimizer was given.
         if name == "weight" and isinstance(value, torch.Tensor):
-            _register_owner(value, self)
+            register_owner(value, self)
 
     def __getstate__(self):
         state = super().__getstate__()
@@ -208,7 +120,7 @@ class CompressedLinear(nn.Linear):
     def __setstate__(self, state):
         state.setdefault("compute_dtype", None)
         super().__setstate__(state)
-        _register_owner(self.weight, self)
+        self._register()
         self._new_sketch_slot()
 
     def _apply(self, fn, recurse=True):
@@ -216,7 +128,7 @@ class CompressedLinear(nn.Linear):
         super()._apply(fn, recurse)
         # .to()/.cuda() may install new Parameter objects (overwrite-on-conversion mode) and
         # move the weight: keep the owner registry and the sketch slot's device in step.
-        _register_owner(self.weight, self)
+        self._register()
         slot = getattr(self, "_sketch_slot", None)
         if slot is not None and slot.device != self.weight.device:
             self._new_sketch_slot()
@@ -254,6 +166,50 @@ def compressed_layers(model: nn.Module) -> list[tuple[str, CompressedLinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, CompressedLinear)]
 
 
+def sketched_weights(model: nn.Module) -> list[tuple[str, SketchedWeight]]:
+    """``(qualified parameter name, owner)`` for every sketched weight of ``model``.
+
+    Owners are :class:`CompressedLinear` layers (``<name>.weight``) and the
+    :class:`rgc.experts.ExpertWeight` owners of sketched experts (``<name>.gate_up_proj``, ...),
+    in module order.
+    """
+    out = []
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, CompressedLinear):
+            out.append((f"{prefix}weight", module))
+        elif is_sketched_experts(module):
+            out += [(f"{prefix}{w}", owner) for w, owner in module.rgc_owners.items()]
+    return out
+
+
+def _chosen_experts(model: nn.Module, targets) -> list[tuple[str, nn.Module, list[str]]]:
+    """``(module name, experts module, [weight names])`` of the expert weights ``targets`` picks.
+
+    An expert weight is matched like a module, by its qualified name
+    (``model.layers.0.mlp.experts.gate_up_proj``) or its last component (``gate_up_proj``,
+    ``down_proj``: both in :data:`DEFAULT_TARGETS`); a predicate gets ``(name, experts module)``.
+    An explicit target naming the experts module itself picks all its expert weights.
+    """
+    chosen = []
+    for name, module in model.named_modules():
+        weights = expert_weight_names(module)
+        if weights is None:
+            continue
+        picked = (list(weights) if _matches(targets, name, module) and targets is not None
+                  else [w for w in weights if _matches(targets, f"{name}.{w}", module)])
+        if picked:
+            chosen.append((name, module, picked))
+    return chosen
+
+
+def router_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of the routers of the model's mixture-of-experts blocks."""
+    routers = router_modules(model)
+    return [(f"{n}.{pn}", p) for n, m in model.named_modules() if id(m) in routers
+            for pn, p in m.named_parameters(recurse=False)]
+
+
 #: ``wrap(..., preset=name)``: the projection kind and refresh schedule of each method.
 PRESETS = {
     "rgc": {"projection": "orthonormal", "refresh": "every_step"},
@@ -263,45 +219,65 @@ PRESETS = {
 
 def wrap(model: nn.Module, rank: int, *, targets: Targets = None,
          projection: str | None = None, refresh=None, seed: int = 0,
-         freeze_others: bool = True, preset: str = "rgc") -> nn.Module:
-    """Replace the target ``nn.Linear`` layers of ``model`` by CompressedLinear, in place.
+         freeze_others: bool = True, preset: str = "rgc",
+         train_routers: bool = False) -> nn.Module:
+    """Sketch the target weights of ``model`` in place: linear layers and expert stacks.
+
+    Target ``nn.Linear`` layers become :class:`CompressedLinear`; the target 3-D expert weights
+    of transformers' mixture-of-experts ``Experts`` modules (``gate_up_proj``, ``down_proj``)
+    are sketched per expert by :func:`rgc.experts.sketch_experts` (the module keeps its
+    Parameters and state-dict keys; its class gains the sketched forward).
 
     Args:
         model: any ``nn.Module``; it is modified in place and returned.
         rank: sketch rank ``r`` for every target.
         targets: ``None`` for :data:`DEFAULT_TARGETS` (matched on the last name component),
             a list of names (last component or fully qualified), or a predicate
-            ``(qualified_name, module) -> bool``.
+            ``(qualified_name, module) -> bool``. Expert weights are matched by their
+            parameter names (``...experts.gate_up_proj``; a predicate gets the experts module).
         projection: 'orthonormal', 'rademacher' or 'gaussian'; default from ``preset``.
         refresh: 'every_step' (new P after every update), 'never', or N (every N updates);
             default from ``preset``.
         seed: every layer's seed is derived from it and the layer's qualified name.
         freeze_others: set ``requires_grad=False`` on every parameter outside the targets.
-            A target's bias keeps its ``requires_grad``; the target weights are made trainable.
+            A target's bias (expert biases included) keeps its ``requires_grad``; the target
+            weights are made trainable.
         preset: 'rgc' (orthonormal P, refreshed every step) or 'logra' (Rademacher P, fixed);
             see :data:`PRESETS`. Explicit ``projection``/``refresh`` override it.
+        train_routers: the routers of mixture-of-experts blocks (:func:`router_parameters`)
+            are frozen by default (``requires_grad=False`` whatever ``freeze_others`` says);
+            ``True`` makes them trainable with ordinary gradients (the optimizer's dense
+            rule).
 
     All checks run before the model is touched. The weights are shared, not copied, and the
-    wrapped model's ``state_dict()`` has the same keys as the original.
+    wrapped model's ``state_dict()`` has the same keys and tensors as the original. With the
+    default targets, a ``UserWarning`` names the matrices left frozen when they hold more than
+    :data:`rgc.coverage.COVERAGE_WARN_SHARE` of the parameters; :func:`rgc.wrap_summary`
+    tells what is trained.
     """
-    if compressed_layers(model):
+    if sketched_weights(model):
         raise ValueError("the model is already wrapped; call rgc.unwrap(model) before wrapping "
                          "it again")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     projection = PRESETS[preset]["projection"] if projection is None else projection
     refresh = PRESETS[preset]["refresh"] if refresh is None else refresh
-    _check_refresh(refresh)
+    check_refresh(refresh)
     linear_names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                            if isinstance(m, nn.Linear)})
-    chosen = [(n, m) for n, m in model.named_modules() if n and _matches(targets, n, m)]
-    if not chosen:
+    chosen = [(n, m) for n, m in model.named_modules()
+              if n and expert_weight_names(m) is None and _matches(targets, n, m)]
+    experts = _chosen_experts(model, targets)
+    if not chosen and not experts:
         shown = DEFAULT_TARGETS if targets is None else targets
         if not callable(shown):
             shown = sorted(shown)
         raise ValueError(f"targets {shown!r} matched no module; the model's nn.Linear layers "
                          f"are named {linear_names}")
-    check_wrap_targets(model, chosen)
+    routers = router_parameters(model)
+    if train_routers and not routers:
+        raise ValueError("train_routers=True, but the model has no mixture-of-experts router")
+    check_wrap_targets(model, chosen + [(n, m) for n, m, _ in experts])
     for name, module in chosen:
         if not isinstance(module, nn.Linear):
             hint = (" (transformers' GPT-2 Conv1D stores W transposed and is not supported; "
@@ -313,28 +289,45 @@ def wrap(model: nn.Module, rank: int, *, targets: Targets = None,
             raise TypeError(f"target {name!r} has weight dtype {module.weight.dtype}; supported: "
                             f"{SUPPORTED_WEIGHT_DTYPES}. Convert the model first.")
         check_rank(projection, module.in_features, rank)
+    for name, module, weights in experts:
+        check_experts(name, module, weights, rank, projection)
 
-    bias_trainable = {name: m.bias is not None and m.bias.requires_grad for name, m in chosen}
+    biases = [m.bias for _, m in chosen if m.bias is not None]
+    biases += [getattr(m, f"{w}_bias") for _, m, ws in experts if m.has_bias for w in ws]
+    bias_trainable = [p.requires_grad for p in biases]
     if freeze_others:
         for p in model.parameters():
             p.requires_grad_(False)
+    for p, trainable in zip(biases, bias_trainable, strict=True):
+        p.requires_grad_(trainable)
+    for _, p in routers:
+        p.requires_grad_(train_routers)
     for name, module in chosen:
-        if module.bias is not None:
-            module.bias.requires_grad_(bias_trainable[name])
         module.weight.requires_grad_(True)
         layer = CompressedLinear.from_linear(module, rank, projection=projection,
                                              refresh=refresh, seed=derive_seed(seed, name))
         _set_submodule(model, name, layer)
+    for name, module, weights in experts:
+        for w in weights:
+            getattr(module, w).requires_grad_(True)
+        sketch_experts(module, {w: derive_seed(seed, f"{name}.{w}") for w in weights},
+                       rank=rank, projection=projection, refresh=refresh)
     register_wrapped(model)
+    if targets is None:
+        warn_coverage_gap(model)
     return model
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """Replace every CompressedLinear by a plain ``nn.Linear`` sharing its trained weight.
+    """Replace every CompressedLinear by a plain ``nn.Linear`` sharing its trained weight, and
+    give every sketched experts module its original class (and so its original forward).
 
-    Pending sketches are dropped; ``requires_grad`` flags are left as they are.
-    Returns ``model`` (modified in place).
+    Pending sketches and projections are dropped; ``requires_grad`` flags are left as they
+    are. Returns ``model`` (modified in place).
     """
+    for _, module in model.named_modules():
+        if is_sketched_experts(module):
+            unsketch_experts(module)
     for name, layer in compressed_layers(model):
         linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
                            device="meta")

@@ -1,46 +1,44 @@
 """Update records and the functions that apply them: shared by the optimizers and policy sync.
 
-An optimizer step proposes, per parameter, a :class:`LowRankUpdate` (compressed weight) or a
-:class:`DenseUpdate` (any other parameter), then applies it with :func:`apply_update_record`;
-a sync receiver (:func:`rgc.apply_update`) rebuilds the same record from a payload and applies
-it with the same functions, which is why its weights match the trainer's bit for bit.
+An optimizer step proposes one :class:`StackUpdate` per group of sketched weights that share
+a shape (every matrix of the group is updated by one :func:`rgc.ops.lowrank_update_` call,
+one kernel launch on the Triton path) and one :class:`DenseUpdate` per other parameter, then
+applies them. A sync receiver (:func:`rgc.apply_update`) rebuilds each weight's update from a
+payload and applies it with the same op, one weight at a time: a matrix's result does not
+depend on the company it is updated in, so its weights match the trainer's bit for bit.
 
-Coefficients live on the device. ``coef`` and ``decay`` are Python floats or 0-dim FP32
-tensors on the parameter's device; the apply functions never read a tensor coefficient on the
-host, and a zero coefficient leaves the parameter bit-identical (a select, not arithmetic with
-0), so an optimizer skips a layer with a non-finite sketch by setting its coefficients to 0 on
-the device instead of testing the sketch on the host. Python floats are converted to FP32 the
-same way, so a trainer's tensor coefficient and a receiver's float copy of it give the same
-bits.
+Coefficients live on the device. ``coefs`` and ``decays`` are FP32 tensors on the weights'
+device; nothing here reads them on the host, and a zero coefficient (with a zero decay)
+leaves the matrix bit-identical (a select, not arithmetic with 0), so an optimizer skips a
+weight with a non-finite sketch by setting its coefficients to 0 on the device instead of
+testing the sketch on the host. Python floats are converted to FP32 the same way, so a
+trainer's tensor coefficient and a receiver's float copy of it give the same bits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from rgc import dispatch
-from rgc.nn import CompressedLinear
-from rgc.reference.update import write_rows
-from rgc.seeding import derive_seed
+from rgc import ops
 
 Scalar = float | torch.Tensor
 
 
 @dataclass
 class LowRankUpdate:
-    """``W <- W (1 - decay) - coef * U P^T`` for the weight of a CompressedLinear.
+    """One sketched weight's share of a :class:`StackUpdate`, for step control and sync.
 
-    ``factor`` is U (d x r FP32); P is the layer's current projection (k x r). ``coef`` and
-    ``decay`` are floats or 0-dim FP32 tensors on W's device. ``active`` is ``True`` or a 0-dim
-    bool tensor: ``False`` when this step has no update for W (non-finite input, or a zero
-    direction), in which case ``coef`` and ``decay`` are 0 and W stays bit-identical.
-    ``sq_norm_out`` (optional 0-dim FP32 tensor) receives ``||W_new||_F^2`` of the stored values.
+    ``W_e <- W_e (1 - decay_e) - coef_e U_e P^T`` for every matrix ``e`` of ``param`` (one for
+    a 2-D weight). ``factor`` is U in the owner's sketch shape (d x r, or E x d x r), ``coef``
+    and ``decay`` 0-dim (2-D weight) or ``[E]`` FP32 tensors (``decay`` may be the float 0),
+    ``active`` likewise bool: false where there is no update (non-finite sketch, zero
+    direction), with coefficients 0. Views of the stack's tensors.
     """
 
     param: torch.Tensor
-    layer: CompressedLinear
+    layer: object  # the owner, a rgc.sketched.SketchedWeight
     factor: torch.Tensor
     coef: Scalar
     decay: Scalar
@@ -48,7 +46,61 @@ class LowRankUpdate:
     chunk_rows: int
     stochastic_rounding: bool
     active: bool | torch.Tensor = True
-    sq_norm_out: torch.Tensor | None = None
+
+
+@dataclass
+class StackUpdate:
+    """The low-rank updates of ``M`` sketched weights of one shape, applied in one op call.
+
+    For member ``m`` (``params[m]``, owner ``owners[m]``) and matrix ``e`` of its stack::
+
+        W_e <- W_e (1 - decays[m, e]) - coefs[m, e] * U_e P^T     (U = factors[m], P its owner's)
+
+    factors[m]: ``[E, d, r]`` FP32; coefs, decays (or ``None``: no decay), active: ``[M, E]``
+    on the weights' device; seeds: the rounding seed of each member (matrix ``e`` continues
+    the flat index at ``e d k``). ``sq_norms`` (``[M, E]`` FP32) receives ``||W_new||_F^2``.
+    """
+
+    params: list[torch.Tensor]
+    owners: list
+    factors: list[torch.Tensor]
+    coefs: torch.Tensor
+    decays: torch.Tensor | None
+    seeds: list[int]
+    chunk_rows: int
+    stochastic_rounding: bool
+    active: torch.Tensor
+    sq_norms: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)  # per-optimizer data carried to commit time
+
+    def scale(self, alpha: float) -> None:
+        """Multiply every coefficient and decay by the step controller's ``alpha``."""
+        if alpha != 1.0:
+            self.coefs = self.coefs * alpha
+            if self.decays is not None:
+                self.decays = self.decays * alpha
+
+    def members(self) -> list[LowRankUpdate]:
+        """The per-weight views of this update (same order as ``params``)."""
+        out = []
+        for m, (p, owner, u) in enumerate(zip(self.params, self.owners, self.factors,
+                                              strict=True)):
+            flat = owner.num_matrices == 1 and p.dim() == 2
+            pick = (lambda t, m=m: t[m, 0]) if flat else (lambda t, m=m: t[m])
+            out.append(LowRankUpdate(
+                p, owner, u.view(owner.sketch_shape), pick(self.coefs),
+                0.0 if self.decays is None else pick(self.decays), self.seeds[m],
+                self.chunk_rows, self.stochastic_rounding, pick(self.active)))
+        return out
+
+    def apply(self) -> None:
+        """Apply every member's update (one :func:`rgc.ops.lowrank_update_` call)."""
+        weights = [owner.weight_matrices() for owner in self.owners]
+        m = len(weights)
+        ops.lowrank_update_(weights, self.factors, [o.projection for o in self.owners],
+                            self.coefs, self.decays, self.seeds, [0] * m,
+                            [w.shape[2] for w in weights], self.stochastic_rounding,
+                            self.chunk_rows, self.sq_norms)
 
 
 @dataclass
@@ -56,7 +108,7 @@ class DenseUpdate:
     """``p <- p (1 - decay) - coef * direction`` for a parameter with an ordinary gradient.
 
     ``direction`` has ``p``'s shape (any float dtype; used in FP32). ``coef``, ``decay`` and
-    ``active`` as in :class:`LowRankUpdate`.
+    ``active`` are floats / 0-dim tensors as in :class:`LowRankUpdate`.
     """
 
     param: torch.Tensor
@@ -66,6 +118,15 @@ class DenseUpdate:
     seed: int
     stochastic_rounding: bool
     active: bool | torch.Tensor = True
+
+    def scale(self, alpha: float) -> None:
+        if alpha != 1.0:
+            self.coef = self.coef * alpha
+            self.decay = self.decay * alpha
+
+    def apply(self) -> None:
+        apply_dense_update_(self.param, self.direction, self.coef, decay=self.decay,
+                            seed=self.seed, stochastic_rounding=self.stochastic_rounding)
 
 
 def as_coef(value: Scalar, device) -> torch.Tensor:
@@ -78,48 +139,52 @@ def is_zero(value: Scalar) -> bool:
     return not torch.is_tensor(value) and value == 0.0
 
 
-def scale_update(update, alpha: float) -> None:
-    """Multiply ``coef`` and ``decay`` of a record by the step controller's ``alpha``."""
-    if alpha != 1.0:
-        update.coef = update.coef * alpha
-        update.decay = update.decay * alpha
-
-
-def decay_weight_(weight: torch.Tensor, decay: Scalar, *, seed: int, chunk_rows: int = 128,
-                  stochastic_rounding: bool = True) -> None:
-    """``W <- (1 - decay) W`` in place, ``chunk_rows`` rows at a time, with the rounding
-    convention of :func:`rgc.reference.lowrank_update_reference` (flat index ``i*k + j``).
-
-    ``decay`` == 0 (a float or a tensor's value) leaves W bit-identical: ``(1 - 0) * w`` is
-    ``w`` exactly and a representable value is stored unchanged by either rounding.
-    """
-    factor = 1.0 - as_coef(decay, weight.device)
-    rows2 = weight.reshape(weight.shape[0], -1) if weight.dim() > 1 else weight.reshape(1, -1)
-    k = rows2.shape[1]
-    for start in range(0, rows2.shape[0], chunk_rows):
-        rows = rows2[start:start + chunk_rows]
-        write_rows(rows, rows.to(torch.float32) * factor, seed=seed, offset=start * k,
-                   stochastic_rounding=stochastic_rounding)
+def write_rounded_(param: torch.Tensor, new: torch.Tensor, *, seed: int, offset: int = 0,
+                   stochastic_rounding: bool = True) -> None:
+    """Store FP32 ``new`` into ``param`` (same shape): stochastically rounded for BF16 (flat
+    index ``offset + i`` for element ``i``) unless disabled, else as ``copy_`` rounds."""
+    if param.dtype == torch.bfloat16 and stochastic_rounding:
+        ops.stochastic_round_(param, new, seed, offset)
+    else:
+        param.copy_(new)
 
 
 def apply_lowrank_update_(weight: torch.Tensor, factor: torch.Tensor, projection: torch.Tensor,
-                          coef: Scalar, *, decay: Scalar = 0.0, seed: int, chunk_rows: int = 128,
+                          coef: Scalar, *, decay: Scalar = 0.0, seed: int, offset: int = 0,
+                          row_length: int | None = None, chunk_rows: int = 128,
                           stochastic_rounding: bool = True,
                           sq_norm_out: torch.Tensor | None = None) -> None:
-    """``W <- W (1 - decay) - coef * U P^T`` in place (W: d x k, U: d x r FP32, P: k x r).
+    """``W <- W (1 - decay) - coef * U P^T`` in place, for one weight (one write).
 
-    The decay (unless it is the float 0) is its own rounded pass, keyed by
-    ``derive_seed(seed, 'decay')``; the low-rank part goes through
-    :func:`rgc.dispatch.lowrank_update_` keyed by ``seed`` (skipped only for a float 0
-    ``coef`` without ``sq_norm_out``). ``sq_norm_out`` receives ``||W_new||_F^2``.
+    weight: d x k, or ``[E, d, k]`` (then ``factor`` is ``[E, d, r]`` and ``coef``/``decay``
+    may be ``[E]``); factor: U, d x r FP32; projection: P, k x r. ``coef``/``decay``: floats or
+    FP32 tensors on W's device (a float ``decay`` of 0 means no decay). Element (e, i, j) takes
+    the rounding bits of flat index ``offset + (e d + i) row_length + j`` (``row_length``
+    defaults to k; a column slice of a wider matrix passes the full width). ``sq_norm_out``
+    (0-dim or ``[E]`` FP32) receives ``||W_new||_F^2``.
     """
-    if not is_zero(decay):
-        decay_weight_(weight, decay, seed=derive_seed(seed, "decay"), chunk_rows=chunk_rows,
-                      stochastic_rounding=stochastic_rounding)
-    if not is_zero(coef) or sq_norm_out is not None:
-        dispatch.lowrank_update_(weight, factor, projection, coef, seed=seed,
-                                 chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding,
-                                 sq_norm_out=sq_norm_out)
+    w3 = weight if weight.dim() == 3 else weight.unsqueeze(0)
+    e_count, d, k = w3.shape
+    u3 = factor.reshape(e_count, d, -1)
+    coefs = as_coef(coef, w3.device).expand(e_count).reshape(1, e_count)
+    decays = None if is_zero(decay) else as_coef(decay, w3.device).expand(e_count).reshape(
+        1, e_count)
+    out = None if sq_norm_out is None else torch.empty(1, e_count, dtype=torch.float32,
+                                                       device=w3.device)
+    ops.lowrank_update_([w3], [u3], [projection], coefs.contiguous(),
+                        None if decays is None else decays.contiguous(), [seed], [offset],
+                        [k if row_length is None else row_length], stochastic_rounding,
+                        chunk_rows, out)
+    if sq_norm_out is not None:
+        sq_norm_out.copy_(out.view(sq_norm_out.shape))
+
+
+def sum_squares(tensor: torch.Tensor, *, chunk_rows: int = 128) -> torch.Tensor:
+    """``||t||_F^2`` (0-dim FP32) of any tensor, rows being its first dimension (a 1-D tensor
+    is one column): :func:`rgc.ops.sum_squares`'s reduction, no FP32 copy of ``t``."""
+    tensor = tensor.detach()
+    rows = tensor.reshape(tensor.shape[0], -1) if tensor.dim() > 1 else tensor.reshape(-1, 1)
+    return ops.sum_squares([rows.unsqueeze(0)], chunk_rows)[0, 0]
 
 
 def apply_dense_update_(param: torch.Tensor, direction: torch.Tensor, coef: Scalar, *,
@@ -137,19 +202,7 @@ def apply_dense_update_(param: torch.Tensor, direction: torch.Tensor, coef: Scal
     c = as_coef(coef, param.device)
     new = p32 if is_zero(decay) else p32 * (1.0 - as_coef(decay, param.device))
     new = torch.where(c != 0, new - c * direction.to(torch.float32), new)
-    write_rows(param, new, seed=seed, offset=offset, stochastic_rounding=stochastic_rounding)
-
-
-def apply_update_record(update: LowRankUpdate | DenseUpdate) -> None:
-    """Apply one record to its parameter."""
-    if isinstance(update, LowRankUpdate):
-        apply_lowrank_update_(update.param, update.factor, update.layer.projection, update.coef,
-                              decay=update.decay, seed=update.seed, chunk_rows=update.chunk_rows,
-                              stochastic_rounding=update.stochastic_rounding,
-                              sq_norm_out=update.sq_norm_out)
-    else:
-        apply_dense_update_(update.param, update.direction, update.coef, decay=update.decay,
-                            seed=update.seed, stochastic_rounding=update.stochastic_rounding)
+    write_rounded_(param, new, seed=seed, offset=offset, stochastic_rounding=stochastic_rounding)
 
 
 def to_host(values: list) -> list:

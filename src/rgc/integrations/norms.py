@@ -26,9 +26,9 @@ import warnings
 
 import torch
 
-from rgc.nn import compressed_layer_of
 from rgc.optim import RGCOptimizer, SketchOptimizer
 from rgc.optim.rgc import sketch_norm
+from rgc.registry import sketched_owner_of
 
 _WARNED: set[str] = set()
 
@@ -55,7 +55,7 @@ def _pending(optimizer: SketchOptimizer):
     """``(tensor, layer or None)`` for every pending sketch and dense gradient of ``optimizer``."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            layer = compressed_layer_of(p)
+            layer = sketched_owner_of(p)
             if layer is not None and layer.sketch is not None:
                 yield layer.sketch, layer
             elif p.grad is not None:
@@ -76,7 +76,9 @@ def grad_norm(optimizer) -> torch.Tensor:
     temporary), for any other parameter ``||grad||``; 0 when nothing is pending. Under data
     parallel it is this rank's (the sketches are reduced inside ``step()``).
     """
-    squares = [_square_norm(t, layer) for t, layer in _pending(unwrap_optimizer(optimizer))]
+    opt = unwrap_optimizer(optimizer)
+    opt.sketch_norm_read = True  # the trainer-loop warning of SketchOptimizer.step is not due
+    squares = [_square_norm(t, layer) for t, layer in _pending(opt)]
     if not squares:
         return torch.zeros((), dtype=torch.float32)
     device = squares[0].device

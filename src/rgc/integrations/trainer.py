@@ -29,6 +29,8 @@ What the subclass changes, and nothing else:
 * With a step controller that has ``set_probe`` (e.g. :class:`rgc.PredictedKL`), every
   ``compute_loss`` sets the probe to the batch being trained on (:func:`probe_inputs`), unless
   ``rgc_auto_probe=False``.
+* A TRL trainer with ``use_vllm=True`` (colocate mode) syncs its engine with rgc payloads
+  instead of the weights (:mod:`rgc.integrations.vllm.trl`), unless ``rgc_vllm_sync=False``.
 
 Checkpoints hold the plain weights under the plain names (a wrapped model's ``state_dict`` is
 the original one), so ``AutoModelForCausalLM.from_pretrained(checkpoint)`` loads them without
@@ -78,13 +80,24 @@ class RGCTrainerMixin:
         rgc_optimizer: ``params -> optimizer`` used by ``create_optimizer`` (e.g.
             ``functools.partial(rgc.RowAdam, lr=1e-5)``); ``None`` for the default above.
         rgc_auto_probe: set a step controller's probe from each training batch.
+        rgc_vllm_sync: with TRL's ``use_vllm=True``, send each step's payload to the engine
+            instead of the weights (``self.rgc_vllm`` is then the
+            :class:`rgc.integrations.vllm.trl.PayloadSync`).
     """
 
     def __init__(self, *args, rgc_optimizer: Callable | None = None,
-                 rgc_auto_probe: bool = True, **kwargs):
+                 rgc_auto_probe: bool = True, rgc_vllm_sync: bool = True, **kwargs):
         self.rgc_optimizer = rgc_optimizer
         self.rgc_auto_probe = rgc_auto_probe
+        use_vllm = rgc_vllm_sync and getattr(kwargs.get("args"), "use_vllm", False)
+        if use_vllm:
+            import rgc.integrations.vllm  # noqa: F401  (before TRL builds its engine: CPU set-up)
         super().__init__(*args, **kwargs)
+        self.rgc_vllm = None
+        if use_vllm and getattr(self, "vllm_generation", None) is not None:
+            from rgc.integrations.vllm.trl import PayloadSync
+
+            self.rgc_vllm = PayloadSync(self, self.vllm_generation)
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
@@ -95,6 +108,8 @@ class RGCTrainerMixin:
             else:
                 lr = rgc.calibrate_lr(opt_model, adamw_lr=self.args.learning_rate)
                 self.optimizer = rgc.RGCOptimizer(params, lr=lr)
+        if getattr(self, "rgc_vllm", None) is not None:
+            self.rgc_vllm.watch(self.optimizer)
         return self.optimizer
 
     def _clip_grad_norm(self, model):

@@ -30,9 +30,11 @@ def table(config, ranks, *, batch=None, seq_len=None, targets=None, dtype=torch.
     kw = dict(batch=batch, seq_len=seq_len, targets=targets, dtype=dtype, fsdp=fsdp,
               implementation=implementation)
     spec = spec_from_config(config, dtype=dtype)
-    lines = [f"{config}: {spec.num_params / 1e9:.3f} B parameters, weights "
-             f"{_fmt(spec.weight_bytes)} GiB"
-             + (f", batch {batch} x seq_len {seq_len}" if batch else ", no activations")
+    experts = sum(s.experts * s.d * s.k for s in spec.linears if s.experts > 1)
+    lines = [f"{config}: {spec.num_params / 1e9:.3f} B parameters"
+             + (f" ({experts / 1e9:.3f} B in expert stacks)" if experts else "")
+             + f", weights {_fmt(spec.weight_bytes)} GiB"
+             + (f", batch {batch} x seq_len {seq_len}" if batch else ", no batch activations")
              + (f", per GPU of FSDP2 over {fsdp}" if fsdp > 1 else ""),
              "",
              "| method | rank | state GiB | peak GiB | peak at |",
@@ -42,9 +44,12 @@ def table(config, ranks, *, batch=None, seq_len=None, targets=None, dtype=torch.
         try:
             e = estimate_memory(config, method=method, rank=rank, **kw)
         except ValueError as err:
-            if "FSDP2" not in str(err):
+            if "FSDP2" in str(err):
+                lines.append(f"| {method} | {rank or '-'} | n/a | n/a | no FSDP2 support |")
+            elif "expert stacks" in str(err):
+                lines.append(f"| {method} | {rank or '-'} | n/a | n/a | no expert support |")
+            else:
                 raise
-            lines.append(f"| {method} | {rank or '-'} | n/a | n/a | no FSDP2 support |")
             return None
         lines.append(f"| {method} | {rank or '-'} | {_fmt(e.state)} | {_fmt(e.total)} | "
                      f"{e.phase} |")

@@ -2,7 +2,11 @@
 
 The model is described by its layer shapes (:class:`ModelSpec`), taken from an ``nn.Module``
 or computed from the numbers of a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3,
-GPT-2), with no network access and without building the model.
+GPT-2), with no network access and without building the model. Mixture-of-experts configs
+(:data:`MOE_FAMILIES`: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3, GLM4-MoE, gpt-oss) are
+read by building the model from the config on the ``meta`` device with ``transformers`` (no
+memory, no download; a few seconds at 235B), which gives the exact shapes and dtypes of every
+parameter; each 3-D expert weight is one :class:`LinearShape` with ``experts = E``.
 
 Methods. Each method is a plan function returning what it keeps, what backward allocates and
 ``zero_grad`` frees, and its transients (:class:`_Plan`), registered in ``_METHODS``: rgc and
@@ -29,8 +33,10 @@ checks it against a measured forward).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -38,10 +44,14 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from rgc.experts import expert_weight_names
 from rgc.nn import DEFAULT_TARGETS
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-FAMILIES = (*LLAMA_FAMILY, "gpt2")
+#: Mixture-of-experts model types, read through a ``meta``-device build with transformers.
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe",
+                "gpt_oss")
+FAMILIES = (*LLAMA_FAMILY, "gpt2", *MOE_FAMILIES)
 FP32 = 4
 
 #: Reference-path update, bytes per element of one ``chunk_rows x k`` chunk of H: the FP32
@@ -58,12 +68,20 @@ UPDATE_SCALAR_BYTES = 1024
 
 @dataclass(frozen=True)
 class LinearShape:
-    """One linear layer: qualified ``name``, weight ``d x k`` (out x in), ``bias``."""
+    """One linear layer: qualified ``name``, weight ``d x k`` (out x in), ``bias``; or, with
+    ``experts = E > 1``, a stack of E expert matrices of d x k (a 3-D expert weight, named
+    like its Parameter: ``...experts.gate_up_proj``), ``bias`` meaning an ``[E, d]`` bias."""
 
     name: str
     d: int
     k: int
     bias: bool = False
+    experts: int = 1
+
+    @property
+    def numel(self) -> int:
+        """Weight and bias elements."""
+        return self.experts * (self.d * self.k + (self.d if self.bias else 0))
 
 
 @dataclass(frozen=True)
@@ -96,6 +114,8 @@ class ModelSpec:
         largest_param: elements of the largest parameter.
         param_numels: elements of each parameter (shared ones once), for the optimizers whose
             state layout depends on a parameter's size (the 8- and 4-bit ones).
+        layer_numels: parameter elements of each decoder layer (``layers.<i>.``), where the
+            decoder is not described by ``arch`` (FSDP2 gathers layer by layer).
     """
 
     weight_bytes: int
@@ -105,6 +125,7 @@ class ModelSpec:
     weight_itemsize: int = 2
     largest_param: int = 0
     param_numels: tuple[int, ...] = ()
+    layer_numels: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -121,7 +142,8 @@ class MemoryEstimate:
             and v (d FP32); none for RGC.
         gradients: LoRA adapter gradients, AdamW FP32 gradients, dense gradients of trainable
             non-target parameters under RGC/RowAdam.
-        activations: tensors saved for backward at ``batch x seq_len`` (0 if not given).
+        activations: tensors saved for backward at ``batch x seq_len`` (0 if not given), and
+            what a method saves whatever the batch (peft LoRA's merged expert stacks).
         temporaries: the transient at the peak moment (loss gradients, step temporaries).
         compute_copies: with ``compute_dtype=torch.float32`` (:mod:`rgc.compute`), the largest
             transient of one upcast matmul, included in ``temporaries`` where it applies.
@@ -231,15 +253,36 @@ def spec_from_config(config, *, dtype: torch.dtype = torch.bfloat16) -> ModelSpe
         return _llama_spec(cfg, family, itemsize)
     if family == "gpt2":
         return _gpt2_spec(cfg, itemsize)
+    if family in MOE_FAMILIES:
+        return _meta_spec(json.dumps(cfg, sort_keys=True), dtype)
     raise ValueError(f"unsupported model_type {family!r}; supported families: {FAMILIES}")
+
+
+@functools.lru_cache(maxsize=16)
+def _meta_spec(config_json: str, dtype: torch.dtype) -> ModelSpec:
+    """Build the model of a config (its JSON text) on the meta device and describe it (cached:
+    the CLI asks for one spec per method and rank)."""
+    cfg = json.loads(config_json)
+    try:
+        import transformers
+    except ImportError as e:
+        raise ValueError(f"reading a {cfg['model_type']!r} config builds the model on the meta "
+                         "device with transformers, which is not installed: pip install "
+                         "'rgc-torch[hf]'") from e
+    numbers = {k: v for k, v in cfg.items() if k not in ("model_type", "torch_dtype", "dtype")}
+    config = transformers.AutoConfig.for_model(cfg["model_type"], **numbers)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return spec_from_module(model)
 
 
 def spec_from_module(model: nn.Module) -> ModelSpec:
     """:class:`ModelSpec` of a built model (any dtype and device, ``meta`` included).
 
-    Linear layers are ``nn.Linear`` (a wrapped ``CompressedLinear`` too) and transformers'
-    ``Conv1D``. If the model has a ``config`` of a supported family, its numbers are used for
-    the activation model.
+    Linear layers are ``nn.Linear`` (a wrapped ``CompressedLinear`` too), transformers'
+    ``Conv1D``, and the 3-D expert weights of transformers' Experts modules (sketched or not),
+    one :class:`LinearShape` with ``experts = E`` each. If the model has a ``config`` of a
+    Llama-style family, its numbers are used for the activation model.
     """
     seen: set = set()
     weight_bytes = 0
@@ -260,12 +303,27 @@ def spec_from_module(model: nn.Module) -> ModelSpec:
         elif type(m).__name__ == "Conv1D" and getattr(m, "weight", None) is not None:
             k, d = m.weight.shape
             linears.append(LinearShape(name, d, k, getattr(m, "bias", None) is not None))
+        elif (weights := expert_weight_names(m)) is not None:
+            for w in weights:
+                experts, rows, cols = getattr(m, w).shape
+                d, k = (cols, rows) if m.is_transposed else (rows, cols)
+                linears.append(LinearShape(f"{name}.{w}", d, k, bool(m.has_bias), experts))
     arch = None
     cfg = getattr(model, "config", None)
     if cfg is not None and getattr(cfg, "model_type", None) in LLAMA_FAMILY:
         arch = _llama_spec(cfg.to_dict(), cfg.model_type, itemsize).arch
     return ModelSpec(weight_bytes, sum(numels), tuple(linears), arch, itemsize,
-                     max(numels, default=0), tuple(numels))
+                     max(numels, default=0), tuple(numels), _layer_numels(model))
+
+
+def _layer_numels(model: nn.Module) -> tuple[int, ...]:
+    """Parameter elements per decoder layer (names with ``layers.<i>.``), in layer order."""
+    per_layer: dict[int, int] = {}
+    for name, p in model.named_parameters():
+        found = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        if found:
+            per_layer[int(found.group(1))] = per_layer.get(int(found.group(1)), 0) + p.numel()
+    return tuple(per_layer[i] for i in sorted(per_layer))
 
 
 # -- estimate -----------------------------------------------------------------------------
@@ -335,15 +393,19 @@ def _activations(arch: Architecture, mode: str, rank: int, n: int, seq_len: int,
     return total, 2 * 4 * n * V
 
 
-def _refresh_temp(k: int, r: int, weight_itemsize: int = 2) -> int:
-    # rgc.projection on an accelerator, measured: G (4k * 2ceil(r/2)) and G R^-1 (4kr) beside
-    # the r x r factors (BF16 P, k >= 4r); G, its float64 copy and G R^-1 (FP32 P); float64
-    # CholeskyQR3 (k < 4r). On the CPU, G and the work space live in a reused per-thread buffer.
+def _refresh_temp(k: int, r: int, weight_itemsize: int = 2, implementation: str = "torch") -> int:
+    # G (4k * 2ceil(r/2)), written by one loop without temporaries (a compiled one on the
+    # CPU, a Triton kernel on CUDA), then G and G R^-1 (4kr) beside the r x r factors (BF16 P,
+    # k >= 4r); G, its float64 copy and G R^-1 (FP32 P); float64 CholeskyQR3 (k < 4r).
+    g = 8 * k * ((r + 1) // 2)
+    generating = g
     if k < 4 * r:
-        return 20 * k * r + 16 * r * r + 8
-    if weight_itemsize == 2:
-        return 8 * k * ((r + 1) // 2) + 4 * k * r + 4 * r * r
-    return 16 * k * r + 12 * r * r
+        factoring = 20 * k * r + 16 * r * r + 8
+    elif weight_itemsize == 2:
+        factoring = g + 4 * k * r + 4 * r * r
+    else:
+        factoring = 16 * k * r + 12 * r * r
+    return max(generating, factoring)
 
 
 def _update_temp(d: int, k: int, r: int, chunk_rows: int, implementation: str) -> int:
@@ -353,35 +415,50 @@ def _update_temp(d: int, k: int, r: int, chunk_rows: int, implementation: str) -
     return 4 * k * r + min(chunk_rows, d) * (k * UPDATE_BYTES_PER_CHUNK_ELEMENT + 4 * r)
 
 
+def _norm_temp(d: int, k: int, r: int) -> int:
+    # ||C P^T||^2 and finiteness (rgc.ops.sketch_stats): P in FP32, its Gram, C P^T P
+    return 4 * k * r + 4 * d * r + 4 * r * r
+
+
 def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
-                         implementation: str = "torch", weight_itemsize: int = 2) -> int:
+                         implementation: str = "torch", weight_itemsize: int = 2,
+                         experts: int = 1) -> int:
     """Largest transient of one RGCOptimizer update of a d x k weight at rank r, in bytes.
 
-    The largest of: the finiteness check of C (7dr); ``||H||`` from the Gram matrix (an FP32
-    copy of P, C P^T P and its product with C: 4kr + 8dr + 4r^2); ``||W||`` over row chunks
-    (8 bytes per chunk element); the update (4kr plus
+    The largest of: ``||H||`` from the Gram matrix and the finiteness of C (an FP32 copy of P,
+    the Gram and C P^T P, multiplied by C in place: 4kr + 4dr + 4r^2); ``||W||`` over row
+    chunks (8 bytes per chunk element); the update (4kr plus
     :data:`UPDATE_BYTES_PER_CHUNK_ELEMENT` per chunk element); regenerating P after the step
     (about 8kr for BF16 weights, 16kr for FP32, 20kr when k < 4r).
+
+    A stack of ``experts`` matrices takes the same step matrix by matrix: its largest
+    transient is one matrix's (``experts`` is accepted for the signature's symmetry).
     """
     return UPDATE_SCALAR_BYTES + max(
-        7 * d * r, 4 * k * r + 8 * d * r + 4 * r * r, 8 * min(chunk_rows, d) * k,
-        _update_temp(d, k, r, chunk_rows, implementation), _refresh_temp(k, r, weight_itemsize))
+        _norm_temp(d, k, r), 8 * min(chunk_rows, d) * k,
+        _update_temp(d, k, r, chunk_rows, implementation),
+        _refresh_temp(k, r, weight_itemsize, implementation))
 
 
 def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
-                             implementation: str = "torch", weight_itemsize: int = 2) -> int:
+                             implementation: str = "torch", weight_itemsize: int = 2,
+                             experts: int = 1) -> int:
     """Largest transient of one RowAdam update of a d x k weight at rank r, in bytes.
 
-    The finiteness check (7dr) and the moment update (the new m, selected where the sketch is
-    finite: 8dr); then the direction U (4dr) stays live while the update runs
-    (as RGC's). After every update (U freed), with a copy of the old P (2kr), P is regenerated
+    The finiteness check and ``||C P^T||`` (as RGC's, which tell a skipped or, for experts, an
+    empty sketch), the moment update (the new m, selected where the sketch is finite: 8dr);
+    the direction U is written into the sketch, and the update runs as RGC's. After every
+    update, with a copy of the old P (2kr), P is regenerated
     (as RGC's) and m is carried into the new basis (float64 copies of both P and r x r
     products, 16kr + 16r^2, then the new m beside the old float64 P, 8kr + 12r^2 + 4dr).
+    A stack of ``experts`` matrices: dr terms over the whole stack, as
+    :func:`rgc_step_temporaries`.
     """
-    carry = max(16 * k * r + 16 * r * r, 8 * k * r + 12 * r * r + 4 * d * r)
+    dr = experts * d * r
+    carry = max(16 * k * r + 16 * r * r, 8 * k * r + 12 * r * r + 4 * dr)
     return UPDATE_SCALAR_BYTES + max(
-        8 * d * r, 4 * d * r + _update_temp(d, k, r, chunk_rows, implementation),
-        2 * k * r + max(_refresh_temp(k, r, weight_itemsize), carry))
+        8 * dr, _norm_temp(d, k, r), _update_temp(d, k, r, chunk_rows, implementation),
+        2 * k * r + max(_refresh_temp(k, r, weight_itemsize, implementation), carry))
 
 
 # -- compute mode (rgc.compute): FP32 matmuls on low-precision weights ----------------------
@@ -392,9 +469,11 @@ def compute_copy_bytes(linears: Iterable[LinearShape], n_tokens: int = 0) -> int
     Under :func:`rgc.compute.use_compute_dtype` each matmul of a d x k linear layer (targets
     and the others, e.g. lm_head) makes FP32 copies of its weight (4dk) and input (4nk) and an
     FP32 result (4nd) that live until it returns; the input-gradient matmul of backward has
-    the same sizes. Attention run by SDPA is not upcast and adds nothing.
+    the same sizes. Attention run by SDPA is not upcast and adds nothing, nor do expert stacks
+    (their grouped products run in the weights' dtype).
     """
-    return max((4 * (s.d * s.k + n_tokens * s.k + n_tokens * s.d) for s in linears), default=0)
+    return max((4 * (s.d * s.k + n_tokens * s.k + n_tokens * s.d) for s in linears
+                if s.experts == 1), default=0)
 
 
 def _with_compute_copies(phases: dict, copies: int) -> dict:
@@ -414,7 +493,8 @@ def _with_compute_copies(phases: dict, copies: int) -> dict:
 class _Plan:
     """One method's memory: full sizes of its parts (``MemoryEstimate`` field names), which of
     them backward allocates and ``zero_grad`` frees, the largest transients of the optimizer
-    step and of the end of backward, and what autograd saves (a mode of :func:`_activations`).
+    step and of the end of backward, what autograd saves (a mode of :func:`_activations`) and
+    saved bytes that do not depend on the batch (``fixed_activations``).
     """
 
     parts: dict
@@ -422,6 +502,7 @@ class _Plan:
     step_temp: int = 0
     end_temp: int = 0
     activations: str = "dense"
+    fixed_activations: int = 0
 
 
 def _tied_embedding_transient(spec: ModelSpec, copies: int) -> int:
@@ -435,27 +516,40 @@ def _tied_embedding_transient(spec: ModelSpec, copies: int) -> int:
 
 
 def _plan_sketch(spec, chosen, rank, *, method, chunk_rows, implementation):
+    """Per target (E = ``experts``: 1 for a linear layer): C (E x d x r FP32), one P (k x r);
+    RowAdam's m (E x d x r FP32) and v (E x d FP32)."""
     wsize = spec.weight_itemsize
-    parts = {"sketch": sum(s.d * rank * FP32 for s in chosen),
+    parts = {"sketch": sum(s.experts * s.d * rank * FP32 for s in chosen),
              "projections": sum(s.k * rank * wsize for s in chosen),
              # trainable biases of the targets keep a dense gradient
-             "gradients": sum(s.d * wsize for s in chosen if s.bias),
+             "gradients": sum(s.experts * s.d * wsize for s in chosen if s.bias),
              # RGCOptimizer: counters and 0-dim norms per layer, nothing per element
              "optimizer_state": 0}
     temps = rgc_step_temporaries if method == "rgc" else rowadam_step_temporaries
     if method == "rowadam":
         # m and v per target, and elementwise AdamW moments of the targets' trainable biases
-        parts["optimizer_state"] = sum(s.d * rank * FP32 + s.d * FP32 for s in chosen)
-        parts["optimizer_state"] += sum(2 * s.d * FP32 for s in chosen if s.bias)
+        parts["optimizer_state"] = sum(s.experts * (s.d * rank * FP32 + s.d * FP32)
+                                       for s in chosen)
+        parts["optimizer_state"] += sum(2 * s.experts * s.d * FP32 for s in chosen if s.bias)
     step_temp = max(temps(s.d, s.k, rank, chunk_rows=chunk_rows, implementation=implementation,
-                          weight_itemsize=wsize) for s in chosen)
+                          weight_itemsize=wsize, experts=s.experts) for s in chosen)
     return _Plan(parts, ("sketch", "gradients"), step_temp, activations="sketch")
 
 
 def _plan_lora(spec, chosen, rank, **_):
-    adapter = sum(rank * (s.d + s.k) for s in chosen) * FP32
+    """peft LoRA: A (r x k) and B (d x r) in FP32 per matrix; on an expert stack (peft's
+    ``target_parameters``) A is (E r) x k and B d x (E r), the same count per expert.
+
+    On BF16 or FP16 expert stacks peft forms ``W + B A`` of the whole stack in every forward
+    (a parametrization; measured with peft 0.21 on a tiny Qwen3-MoE), and autograd keeps it for
+    backward: one merged copy of every targeted stack, independent of the batch, counted in
+    ``activations`` (a bound: the last layer's copy was measured freed before backward).
+    """
+    adapter = sum(s.experts * rank * (s.d + s.k) for s in chosen) * FP32
     parts = {"adapters": adapter, "gradients": adapter, "optimizer_state": 2 * adapter}
-    return _Plan(parts, ("gradients",), activations="lora")
+    merged = sum(s.experts * s.d * s.k * spec.weight_itemsize for s in chosen
+                 if s.experts > 1 and spec.weight_itemsize < FP32)
+    return _Plan(parts, ("gradients",), activations="lora", fixed_activations=merged)
 
 
 def _plan_adamw(spec, chosen, rank, **_):
@@ -510,6 +604,10 @@ def _plan_projected(spec, chosen, rank, *, method, **_):
     normalised update (3 max(d, k) r), and two d x k tensors (GaLore: the projected-back
     update and its scaled copy; APOLLO: the scaled gradient and its norm-limited copy).
     """
+    stacks = [s.name for s in chosen if s.experts > 1]
+    if stacks:
+        raise ValueError(f"{method} updates 2-D weights; the targets include 3-D expert stacks "
+                         f"({stacks[0]}, ...): leave them out with targets=")
     wsize = spec.weight_itemsize
     r = 1 if method == "apollo-mini" else rank
     parts = {"projections": sum(min(s.d, s.k) * r * wsize for s in chosen),
@@ -560,9 +658,14 @@ def _fsdp_gathered(spec: ModelSpec) -> int:
 
     The root module's parameters (embedding, final norm, untied lm_head) stay gathered from
     forward to the end of backward; of the decoder layers, the one computing and the one
-    prefetched.
+    prefetched (for a model read through its parameters, the two largest layers).
     """
     wsize = spec.weight_itemsize
+    if spec.arch is None and spec.layer_numels:
+        # a decoder described by its parameters (mixture of experts): the root's parameters
+        # (everything outside the layers) and the two largest layers
+        root = spec.num_params - sum(spec.layer_numels)
+        return (root + sum(sorted(spec.layer_numels)[-2:])) * wsize
     if spec.arch is None:
         return 2 * spec.largest_param * wsize
     a = spec.arch
@@ -677,13 +780,17 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
     per_step = sum(est[k] for k in plan.per_step)
     phases = {"optimizer step": (per_step, plan.step_temp, 0),
               "backward end": (per_step, plan.end_temp + gathered, 0)}
+    acts, loss_temp = plan.fixed_activations, 0
     if batch is not None:
         if spec.arch is None:
             raise ValueError("activations are modelled for Llama-style decoders (Llama, "
-                             "Mistral, Qwen2, Qwen3) given by a config or a transformers model; "
-                             "leave batch/seq_len unset for this model")
-        acts, loss_temp = _activations(spec.arch, plan.activations, rank or 0, batch * seq_len,
-                                       seq_len, spec.weight_itemsize, chosen)
+                             "Mistral, Qwen2, Qwen3) given by a config or a transformers model, "
+                             "not yet for mixture-of-experts models; leave batch/seq_len unset "
+                             "for this model")
+        saved, loss_temp = _activations(spec.arch, plan.activations, rank or 0, batch * seq_len,
+                                        seq_len, spec.weight_itemsize, chosen)
+        acts += saved
+    if batch is not None or acts:
         est["activations"] = acts
         phases["backward start"] = (0, loss_temp + gathered, acts)
     copies = 0

@@ -6,11 +6,13 @@ count nothing) is added to the live total when it appears and removed by a ``wea
 on its ``UntypedStorage`` when it is freed. ``t.peak`` is the largest live total reached. This
 works on every device, CPU included, and sees autograd's backward and optimizer steps.
 
+rgc's own operators (:mod:`rgc.ops`) are followed inside: their torch ops count as any other.
 What it cannot see: storages created before the block (model weights built outside it count
 nothing: build the model inside the block and call :meth:`Tracker.reset_peak`), tensors made
 without an operator (``torch.from_numpy``), and scratch memory a kernel allocates and frees
-internally without returning it. On CUDA the caching allocator's own count is recorded beside
-it (:attr:`Tracker.cuda_peak`), which includes such scratch memory.
+internally without returning it (a Triton kernel's, or an inductor-compiled loop's). On CUDA
+the caching allocator's own count is recorded beside it (:attr:`Tracker.cuda_peak`), which
+includes such scratch memory.
 """
 
 from __future__ import annotations
@@ -147,6 +149,10 @@ class Tracker(TorchDispatchMode):
         return t.detach()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "rgc":  # rgc's own operators: count what they allocate inside
+            from rgc.ops import run_under_mode
+
+            return run_under_mode(self, func, args, kwargs)
         out = func(*args, **(kwargs or {}))
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if not outs:

@@ -12,20 +12,38 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import warnings
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 from torch.optim import Optimizer
 
-from rgc import dispatch
-from rgc.nn import CompressedLinear, compressed_layer_of
+from rgc import ops
+from rgc.projection import advance_projections
+from rgc.registry import sketched_owner_of
 from rgc.seeding import derive_seed
 from rgc.sync import build_payload, fingerprint_tensor
-from rgc.updates import DenseUpdate, LowRankUpdate, apply_update_record, scale_update, to_host
+from rgc.updates import DenseUpdate, LowRankUpdate, StackUpdate, to_host
 
-__all__ = ["DenseUpdate", "LowRankUpdate", "SketchOptimizer", "check_common_args",
-           "rounding_seed"]
+__all__ = ["DenseUpdate", "Entry", "LowRankUpdate", "SketchOptimizer", "StackUpdate",
+           "check_common_args", "rounding_seed"]
+
+
+@dataclass
+class Entry:
+    """One parameter's share of a step: the Parameter, its owner (``None`` for a dense
+    gradient), its param group and state, and the rounding seed of this update."""
+    param: torch.Tensor
+    owner: object
+    group: dict
+    state: dict
+    seed: int
+
+
+def _refresh_due(refresh, step: int) -> bool:
+    return refresh == "every_step" or (isinstance(refresh, int) and step % refresh == 0)
 
 
 def rounding_seed(seed: int, param_index: int, step: int) -> int:
@@ -75,7 +93,20 @@ INT_STATE_KEYS = ("step", "skipped", "layer_seed", "projection_version")
 
 #: Attributes an optimizer pickled before they existed gets on unpickling.
 _ATTRIBUTE_DEFAULTS = {"step_control": None, "keep_updates": False, "steps_taken": 0,
-                       "last_updates": None, "_warned_nonfinite": False}
+                       "last_updates": None, "_warned_nonfinite": False,
+                       "sketch_norm_read": False}
+
+#: Packages whose training loops clip and log the norm of ``.grad`` (0 for a sketched weight).
+_GRAD_NORM_LOOPS = ("transformers.", "accelerate.", "trl.")
+
+
+def _called_from_grad_norm_loop() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith(_GRAD_NORM_LOOPS):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class SketchOptimizer(Optimizer):
@@ -106,6 +137,9 @@ class SketchOptimizer(Optimizer):
     kept updates and counters.
     """
 
+    #: read by the global step guard (:mod:`rgc.guards`): this optimizer steps sketched weights
+    updates_sketched_weights = True
+
     def __init__(self, params, defaults: dict, *, step_control=None, keep_updates: bool = False):
         super().__init__(params, {"maximize": False, **defaults})
         if not any(p.requires_grad for g in self.param_groups for p in g["params"]):
@@ -123,6 +157,8 @@ class SketchOptimizer(Optimizer):
         # (update, fingerprint of the tensor before it, projection seed used) per parameter
         self.last_updates: list[tuple] | None = None
         self._warned_nonfinite = False
+        # set by rgc.integrations.grad_norm / clip_grad_norm_ (the norms of the sketches)
+        self.sketch_norm_read = False
         # p -> p._version when state[p]['weight_sq_norm'] was last made from p's stored values
         self._norm_versions: dict[torch.Tensor, int] = {}
 
@@ -183,21 +219,39 @@ class SketchOptimizer(Optimizer):
                 setattr(self, name, hooks)
 
     # -- subclass interface -------------------------------------------------------------
-    def _propose_lowrank(self, p, layer, group, state, seed, ok) -> LowRankUpdate | None:
-        """The update of a compressed weight; ``ok`` (0-dim bool) is false for a non-finite
-        sketch, and the update's coefficients must then be 0 (and its ``active`` false)."""
+    def _propose_stack(self, entries: list[Entry], group: dict) -> StackUpdate:
+        """The updates of sketched weights of one shape and param group, in one record.
+
+        Every entry has a sketch; the proposal decides finiteness on the device and must give
+        coefficients 0 (and ``active`` false) to a matrix with a non-finite sketch, counting
+        the skip with :meth:`_count_skips`.
+        """
         raise NotImplementedError
 
     def _propose_dense(self, p, group, state, seed, ok) -> DenseUpdate | None:
-        """As :meth:`_propose_lowrank`, for a parameter with a dense ``.grad``."""
+        """The update of a parameter with a dense ``.grad``; ``ok`` (0-dim bool) is false for a
+        non-finite gradient, and the coefficients must then be 0 (and ``active`` false)."""
         raise NotImplementedError
 
-    def _refresh(self, p, layer: CompressedLinear, state: dict) -> None:
-        """The layer's next ``P``; the caller then renews the layer's sketch slot."""
-        layer.set_projection_version(layer.projection_version + 1, renew_sketch_slot=False)
+    def _refresh_projections(self, entries: list[Entry]) -> None:
+        """Give every entry's owner its next ``P`` (the caller then renews the sketch slots).
+
+        One batched regeneration per (kind, k, r, dtype, device): see
+        :func:`rgc.projection.advance_projections`. Subclasses carry state into the new basis.
+        """
+        advance_projections([e.owner for e in entries])
 
     # -- shared machinery ---------------------------------------------------------------
-    def _init_state(self, p: torch.Tensor, layer: CompressedLinear | None) -> dict:
+    @staticmethod
+    def _stack_update(entries: list[Entry], group: dict, factors, coefs, decays, active, *,
+                      sq_norms=None) -> StackUpdate:
+        """The :class:`StackUpdate` of ``entries`` with the given ``[M, E]`` coefficients."""
+        return StackUpdate([e.param for e in entries], [e.owner for e in entries], factors,
+                           coefs, decays, [e.seed for e in entries], group["chunk_rows"],
+                           group["stochastic_rounding"], active, sq_norms,
+                           extra={"entries": entries})
+
+    def _init_state(self, p: torch.Tensor, layer) -> dict:
         # Seeds and step counts are Python ints, not tensors: Optimizer.load_state_dict casts
         # tensor state to the parameter's dtype, which would corrupt 63-bit seeds stored in a
         # BF16 parameter's state. 'skipped' is a device counter (stored as an int by
@@ -220,13 +274,21 @@ class SketchOptimizer(Optimizer):
         state["skipped"] += ~ok
         return ok
 
+    @staticmethod
+    def _count_skips(entries: list[Entry], finite: torch.Tensor) -> None:
+        """Add one skip to each entry whose ``finite`` row (``[M, E]`` bool) is not all true
+        (one grouped add for all entries)."""
+        bad = (~finite.all(dim=1)).to(torch.int64)
+        torch._foreach_add_([e.state["skipped"] for e in entries], list(bad.unbind(0)))
+
     def skipped_updates(self) -> int:
         """Updates skipped so far for a non-finite sketch or gradient, over all parameters.
 
         Reads the device counters (one copy per device); ``int(state[p]['skipped'])`` gives
         one parameter's count. Warns once when the count is first seen non-zero.
         """
-        counts = to_host([s["skipped"] for s in self.state.values() if "skipped" in s])
+        counts = to_host([s["skipped"] for s in self.state.values()
+                          if isinstance(s, dict) and "skipped" in s])
         total = sum(int(c) for c in counts)
         self._warn_skipped(total)
         return total
@@ -238,62 +300,38 @@ class SketchOptimizer(Optimizer):
                           "warning is shown once", RuntimeWarning, stacklevel=3)
             self._warned_nonfinite = True
 
-    def _cached_sq_norm(self, p: torch.Tensor, state: dict, chunk_rows: int) -> torch.Tensor:
-        """``||p||_F^2`` (0-dim FP32) for an update that will also refresh it.
+    def _weight_sq_norms(self, entries: list[Entry], chunk_rows: int) -> torch.Tensor:
+        """``||W_e||_F^2`` of every matrix of the entries, ``[M, E]`` FP32.
 
-        The previous update wrote ``state['weight_sq_norm']`` from the values it stored; it is
-        used while ``p`` has not been written since (its version counter is unchanged since that
-        update or since ``load_state_dict``), else it is recomputed from ``p`` (one read).
+        The previous update of a weight left ``state['weight_sq_norm']`` from the values it
+        stored; it is used while the weight has not been written since (its version counter
+        is unchanged since that update or since ``load_state_dict``). The others are
+        recomputed from W, in one :func:`rgc.ops.sum_squares` call.
         """
-        cached = state.get("weight_sq_norm")
-        if cached is None or self._norm_versions.get(p) != p._version:
-            fresh = dispatch.sum_squares(p, chunk_rows=chunk_rows)
-            if cached is None:
-                state["weight_sq_norm"] = fresh
+        rows: list[torch.Tensor | None] = []
+        stale = []
+        for e in entries:
+            cached = e.state.get("weight_sq_norm")
+            if cached is None or self._norm_versions.get(e.param) != e.param._version:
+                stale.append(len(rows))
+                rows.append(None)
             else:
-                cached.copy_(fresh)
-        return state["weight_sq_norm"]
+                rows.append(cached.reshape(-1))
+        if stale:
+            fresh = ops.sum_squares([entries[i].owner.weight_matrices() for i in stale],
+                                    chunk_rows)
+            for j, i in enumerate(stale):
+                rows[i] = fresh[j]
+        return torch.stack(rows)
 
-    def _finish_layer(self, p, layer: CompressedLinear, state: dict) -> None:
-        layer.zero_sketch(set_to_none=False)
-        refresh, step = layer.refresh, state["step"]
-        if refresh == "every_step" or (isinstance(refresh, int) and step % refresh == 0):
-            deferred = self.__dict__.get("_deferred_refreshes")
-            if deferred is not None:
-                deferred.append((p, layer, state))
-                return
-            self._refresh(p, layer, state)
-            layer._new_sketch_slot()
-        state["projection_version"] = layer.projection_version
+    def _record_sq_norms(self, update: StackUpdate, entries: list[Entry]) -> None:
+        """Keep each weight's ``||W_new||^2`` (views of the update's ``sq_norms``)."""
+        for m, e in enumerate(entries):
+            norm = update.sq_norms[m]
+            e.state["weight_sq_norm"] = norm[0] if e.param.dim() == 2 else norm
+            self._norm_versions[e.param] = e.param._version
 
-    def _run_deferred_refreshes(self) -> None:
-        """Regenerate the projections whose refresh :meth:`step` deferred to its end, then
-        renew their sketch slots."""
-        deferred = self.__dict__.pop("_deferred_refreshes")
-        try:
-            for p, layer, state in deferred:
-                self._refresh(p, layer, state)
-                state["projection_version"] = layer.projection_version
-        finally:
-            for _, layer, _ in deferred:
-                layer._new_sketch_slot()
-
-    def _apply(self, update, alpha: float, records: list | None) -> None:
-        if update is None:
-            return
-        scale_update(update, alpha)
-        if records is not None:
-            base = fingerprint_tensor(update.param)
-            projection_seed = getattr(getattr(update, "layer", None), "projection_seed", None)
-        apply_update_record(update)
-        if getattr(update, "sq_norm_out", None) is not None:
-            self._norm_versions[update.param] = update.param._version
-        if records is not None:
-            if isinstance(update, LowRankUpdate):
-                # the sketch is zeroed in place next; the record needs its own copy
-                update.factor = update.factor.clone()
-            records.append((update, base, projection_seed))
-
+    # -- the step -----------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every parameter that has a sketch or a gradient. Returns the loss."""
@@ -305,75 +343,121 @@ class SketchOptimizer(Optimizer):
         if control is not None and hasattr(control, "check_ready"):
             control.check_ready()  # raise before any state or weight changes
         records = [] if self.keep_updates else None
-        # Refreshes run after every update, one layer's P right after another's: interleaved
-        # with the updates, the regeneration ran about 1.5x slower on a CPU (evicted caches).
-        self._deferred_refreshes = []
-        try:
-            self._step_all(control, records)
-        finally:
-            self._run_deferred_refreshes()
+        work = self._gather()
+        if self.steps_taken == 0 and work[0]:
+            self._warn_unread_norm()
+        self._step_entries(work, control, records)
         self.steps_taken += 1
         self.last_updates = records
         return loss
 
-    def _step_all(self, control, records) -> None:
-        """Gather, propose, scale and apply every update of a step (refreshes are deferred)."""
-        pending = []
+    def _warn_unread_norm(self) -> None:
+        """Once, at the first step with sketches, when a transformers / accelerate / TRL loop
+        drives this optimizer without reading the sketches' norm: its ``clip_grad_norm_`` of
+        ``model.parameters()`` sees no gradient on a sketched weight, so it logs
+        ``grad_norm = 0.0`` and clips nothing."""
+        if not self.sketch_norm_read and _called_from_grad_norm_loop():
+            warnings.warn(
+                f"{type(self).__name__} is driven by a transformers/accelerate training loop "
+                "whose gradient clipping reads .grad, which sketched weights do not have: it "
+                "logs grad_norm = 0.0 and clips nothing. Build the trainer with "
+                "rgc.integrations.with_rgc(TrainerClass)(...), or clip with "
+                "rgc.integrations.clip_grad_norm_(optimizer, max_norm)", UserWarning,
+                stacklevel=3)
+
+    def _gather(self, exclude=None) -> tuple[dict, list[Entry]]:
+        """The step's work: sketched entries grouped by (param group, shape, dtypes, device),
+        and the entries with a dense gradient (parameters for which ``exclude(p)`` is true are
+        left out). Counts each parameter's step."""
+        stacks: dict[tuple, list[Entry]] = {}
+        dense: list[Entry] = []
         index = 0
-        for group in self.param_groups:
+        for g, group in enumerate(self.param_groups):
             for p in group["params"]:
                 index += 1
-                layer = compressed_layer_of(p)
-                if layer is not None and layer.sketch is not None:
-                    item = self._gather_compressed(p, layer, group, index - 1)
-                elif p.grad is not None:
-                    item = self._gather_dense(p, group, index - 1)
-                else:
+                if exclude is not None and exclude(p):
                     continue
-                if control is None:  # stream: nothing proposed is held longer than needed
-                    self._commit(item, 1.0, records)
-                else:
-                    pending.append(item)
+                owner = sketched_owner_of(p)
+                if owner is not None and owner.sketch is not None:
+                    entry = self._entry(p, owner, group, index - 1)
+                    key = (g, owner.num_matrices, owner.out_features, owner.in_features,
+                           owner.rank, p.dtype, owner.projection.dtype, p.device)
+                    stacks.setdefault(key, []).append(entry)
+                elif p.grad is not None:
+                    dense.append(self._entry(p, None, group, index - 1))
+        return stacks, dense
+
+    def _entry(self, p, owner, group: dict, index: int) -> Entry:
+        state = self._init_state(p, owner)
+        state["step"] += 1
+        return Entry(p, owner, group, state, rounding_seed(group["seed"], index, state["step"]))
+
+    def _step_entries(self, work: tuple[dict, list[Entry]], control, records) -> None:
+        """Propose, scale, apply and finish the gathered work (refreshes after every update)."""
+        stacks, dense = work
+        updates: list = [self._propose_stack(entries, entries[0].group)
+                         for entries in stacks.values()]
+        for e in dense:
+            ok = self._finite(e.state, e.param.grad)
+            u = self._propose_dense(e.param, e.group, e.state, e.seed, ok)
+            if u is not None:
+                updates.append(u)
+        alpha, any_active = 1.0, False
         if control is not None:
-            # the one host read of the step's proposals: which of them are active
-            active = to_host([u.active if u is not None else False for u, _ in pending])
-            pending = [(u if a else None, finish) for (u, finish), a in
-                       zip(pending, active, strict=True)]
-            updates = [u for u, _ in pending if u is not None]
-            alpha = float(control.scale(self, updates)) if updates else 1.0
-            for item in pending:
-                self._commit(item, alpha, records)
-            if updates:
-                control.after_update()
+            alpha, any_active = self._control(control, updates)
+        for update in updates:
+            update.scale(alpha)
+            kept = self._kept(update) if records is not None else None
+            update.apply()
+            if isinstance(update, StackUpdate) and update.sq_norms is not None:
+                self._record_sq_norms(update, update.extra["entries"])
+            if kept is not None:
+                records.extend(kept)
+        self._finish(list(stacks.values()))
+        if any_active:
+            control.after_update()
 
-    def _gather_compressed(self, p, layer: CompressedLinear, group: dict, index: int):
-        """Count the step and propose (a non-finite sketch: coefficients 0, counted)."""
-        state = self._init_state(p, layer)
-        state["step"] += 1
-        ok = self._finite(state, layer.sketch)
-        seed = rounding_seed(group["seed"], index, state["step"])
-        return self._propose_lowrank(p, layer, group, state, seed, ok), (p, layer, state)
+    def _control(self, control, updates: list) -> tuple[float, bool]:
+        """The step controller's ``alpha`` from the active updates (one host read of the
+        active flags of all of them); ``(1.0, False)`` when none is active."""
+        members = [m for u in updates for m in (u.members() if isinstance(u, StackUpdate)
+                                                else [u])]
+        flags = [m.active if not torch.is_tensor(m.active) or m.active.dim() == 0
+                 else m.active.any() for m in members]
+        active = [m for m, a in zip(members, to_host(flags), strict=True) if a]
+        if not active:
+            return 1.0, False
+        return float(control.scale(self, active)), True
 
-    def _gather_dense(self, p, group: dict, index: int):
-        state = self._init_state(p, None)
-        state["step"] += 1
-        ok = self._finite(state, p.grad)
-        seed = rounding_seed(group["seed"], index, state["step"])
-        return self._propose_dense(p, group, state, seed, ok), None
+    @staticmethod
+    def _kept(update) -> list[tuple]:
+        """``(record, fingerprint before, projection seed)`` per parameter of ``update``, with
+        the factors copied (the sketches are cleared after the step)."""
+        kept = []
+        for m in (update.members() if isinstance(update, StackUpdate) else [update]):
+            if isinstance(m, LowRankUpdate):
+                m.factor = m.factor.clone()
+                kept.append((m, fingerprint_tensor(m.param), m.layer.projection_seed))
+            else:
+                kept.append((m, fingerprint_tensor(m.param), None))
+        return kept
 
-    def _step_compressed(self, p, layer: CompressedLinear, group: dict, index: int) -> None:
-        """The whole update of one compressed weight, without step control or records."""
-        self._commit(self._gather_compressed(p, layer, group, index), 1.0, None)
-
-    def _step_dense(self, p, group: dict, index: int) -> None:
-        """The whole update of one parameter with a dense gradient (no control, no records)."""
-        self._commit(self._gather_dense(p, group, index), 1.0, None)
-
-    def _commit(self, item, alpha: float, records) -> None:
-        update, finish = item
-        self._apply(update, alpha, records)
-        if finish is not None:
-            self._finish_layer(*finish)
+    def _finish(self, stacks: list[list[Entry]]) -> None:
+        """Clear the sketches (one grouped zeroing), then refresh the projections that are due
+        (batched per kind and shape) and renew their sketch slots."""
+        entries = [e for group in stacks for e in group]
+        sketches = [e.owner.sketch for e in entries if e.owner.sketch is not None]
+        if sketches:
+            torch._foreach_zero_(sketches)
+        due = [e for e in entries if _refresh_due(e.owner.refresh, e.state["step"])]
+        try:
+            if due:
+                self._refresh_projections(due)
+        finally:
+            for e in due:
+                e.owner._new_sketch_slot()
+            for e in entries:
+                e.state["projection_version"] = e.owner.projection_version
 
     def export_update(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The last step's updates as a sync payload (see :func:`rgc.sync.build_payload`).
@@ -393,7 +477,7 @@ class SketchOptimizer(Optimizer):
         super().zero_grad(set_to_none=set_to_none)
         for group in self.param_groups:
             for p in group["params"]:
-                layer = compressed_layer_of(p)
+                layer = sketched_owner_of(p)
                 if layer is not None:
                     layer.zero_sketch(set_to_none=set_to_none)
 
@@ -404,7 +488,9 @@ class SketchOptimizer(Optimizer):
         so a resumed run uses the same bits."""
         with self._hooks_held("_optimizer_state_dict_post_hooks") as held:
             sd = super().state_dict()
-        entries = [(k, v) for k, v in sd["state"].items() if "skipped" in v]
+        # entries a hook added under other keys may be anything (torch.optim keeps them as is)
+        entries = [(k, v) for k, v in sd["state"].items()
+                   if isinstance(v, dict) and "skipped" in v]
         counts = to_host([v["skipped"] for _, v in entries])
         self._warn_skipped(sum(int(c) for c in counts))
         state = dict(sd["state"])
@@ -453,7 +539,7 @@ class SketchOptimizer(Optimizer):
                 if "weight_sq_norm" in state:
                     # the saved norm belongs to the weights loaded with it (load them first)
                     self._norm_versions[p] = p._version
-                layer = compressed_layer_of(p)
+                layer = sketched_owner_of(p)
                 if layer is not None and "projection_version" in state:
                     layer.seed = state["layer_seed"]
                     layer.set_projection_version(state["projection_version"])

@@ -4,28 +4,50 @@ from __future__ import annotations
 
 import torch
 
+from rgc import ops
 from rgc.optim.base import SketchOptimizer, check_common_args, group_lr
-from rgc.updates import DenseUpdate, LowRankUpdate
+from rgc.updates import DenseUpdate, StackUpdate
 
 
 def sketch_norm(sketch: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     """``||C P^T||_F`` from the r x r Gram ``P^T P`` without forming ``C P^T``. 0-dim FP32.
 
-    ``||H||_F^2 = trace(C (P^T P) C^T)``; C: d x r FP32, P: k x r.
+    ``||H||_F^2 = trace(C (P^T P) C^T)``; C: d x r FP32 (or a stack ``[E, d, r]``: the norm of
+    the whole stack), P: k x r.
     """
-    p = projection.to(torch.float32)
-    gram = p.t() @ p
-    return ((sketch @ gram) * sketch).sum().clamp_min(0).sqrt()
+    h2, _ = ops.sketch_stats([sketch.reshape(-1, *sketch.shape[-2:])], [projection])
+    return sqrt32(h2.sum())
 
 
-def normalized_coef(weight_norm: torch.Tensor, direction_norm: torch.Tensor, lr,
+EXPERT_NORMS = ("stack", "expert")
+
+
+def check_expert_norm(expert_norm) -> None:
+    if expert_norm not in EXPERT_NORMS:
+        raise ValueError(f"expert_norm must be one of {EXPERT_NORMS}, got {expert_norm!r}")
+
+
+def sqrt32(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded FP32 square root of FP32 ``x``, so that its bits do not depend
+    on the tensor's size: torch's CUDA kernel is; its CPU kernel is not in its vector loop,
+    so there it goes through float64, whose 53 bits make the second rounding innocuous."""
+    if x.device.type == "cuda":
+        return x.sqrt()
+    return x.double().sqrt().to(torch.float32)
+
+
+def normalized_coef(weight_sq_norm: torch.Tensor, direction_sq_norm: torch.Tensor, lr,
                     ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(coef, active)`` on the device: ``coef = lr * ||W|| / ||H||`` where ``active``, else 0.
+    """``(coef, active)`` on the device: ``coef = lr * sqrt(||W||^2 / ||H||^2)`` where
+    ``active``, else 0.
 
-    ``active = ok & (||H|| > 0) & (lr != 0)``; all 0-dim (FP32, bool), nothing read on the host.
+    ``active = ok & (||H|| > 0) & (lr != 0)``; tensors of one shape (FP32, bool) or 0-dim,
+    nothing read on the host.
     """
-    active = ok & (direction_norm > 0) & (lr != 0)
-    return torch.where(active, lr * weight_norm / direction_norm, 0.0), active
+    active = ok & (direction_sq_norm > 0)
+    if torch.is_tensor(lr) or lr == 0:
+        active &= lr != 0
+    return torch.where(active, sqrt32(weight_sq_norm / direction_sq_norm) * lr, 0.0), active
 
 
 class RGCOptimizer(SketchOptimizer):
@@ -56,14 +78,24 @@ class RGCOptimizer(SketchOptimizer):
     Args:
         params: iterable of parameters or param groups (as torch.optim).
         lr: ``tau``, the relative step ``||dW|| / ||W||``; see :func:`rgc.calibrate_lr`. A float
-            or a 0-dim tensor (read with ``float()`` at each step, so a scheduler may fill it in
-            place). Default 1e-3, torch.optim's default, for param groups that set their own.
+            or a 0-dim tensor (used on the device, never read on the host, so a scheduler may
+            fill it in place). Default 1e-3, torch.optim's default, for param groups that set
+            their own.
         chunk_rows: rows of H rebuilt at once on the reference path (memory: chunk_rows x k FP32).
         stochastic_rounding: round BF16 weights stochastically (default) or to nearest.
         seed: key of the rounding bits.
         step_control: e.g. :class:`rgc.PredictedKL`; scales each step's updates by one alpha.
         keep_updates: keep the last step's factors for :meth:`export_update` (policy sync).
         maximize: step along ``+H`` (ascend the objective) instead of ``-H``.
+        expert_norm: the normalisation of a stack of experts (a 3-D expert weight):
+            ``'expert'`` (default) normalises every expert by its own norms, so every expert
+            that received tokens moves by ``lr`` relative to its own size; ``'stack'`` takes
+            ``||W||`` and ``||H||`` of the whole stack, one coefficient for all its experts
+            (normalised SGD on the tensor: a busy expert moves more than a rarely routed one).
+            Measured on a tiny Qwen3-MoE at equal ``lr`` (``benchmarks/moe_expert_norm.py``):
+            'expert' reached a lower held-out loss in 6 of 6 runs (3 seeds x 2 batch sizes,
+            by 0.0003 to 0.017 nats). An expert that received no token (``C_e = 0``) is not
+            updated under either rule: its bits are kept.
 
     **Dtypes.** Weights of compressed layers are BF16 or FP32. Any other real parameter is
     updated with FP32 arithmetic: an FP64 parameter receives an FP32-computed value each step
@@ -76,24 +108,42 @@ class RGCOptimizer(SketchOptimizer):
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, *, chunk_rows: int = 128,
                  stochastic_rounding: bool = True, seed: int = 0, step_control=None,
-                 keep_updates: bool = False, maximize: bool = False):
+                 keep_updates: bool = False, maximize: bool = False,
+                 expert_norm: str = "expert"):
         check_common_args(lr, chunk_rows, seed)
+        check_expert_norm(expert_norm)
         defaults = dict(lr=lr, chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding,
-                        seed=seed, maximize=maximize)
+                        seed=seed, maximize=maximize, expert_norm=expert_norm)
         super().__init__(params, defaults, step_control=step_control, keep_updates=keep_updates)
 
-    def _propose_lowrank(self, p, layer, group, state, seed, ok) -> LowRankUpdate:
-        chunk_rows = group["chunk_rows"]
-        sq_norm = self._cached_sq_norm(p, state, chunk_rows)
-        coef, active = normalized_coef(sq_norm.sqrt(), sketch_norm(layer.sketch, layer.projection),
-                                       group_lr(group, p.device), ok)
+    def _check_group(self, group: dict) -> None:
+        super()._check_group(group)
+        check_expert_norm(group.setdefault("expert_norm", "expert"))
+
+    def _propose_stack(self, entries, group) -> StackUpdate:
+        owners = [e.owner for e in entries]
+        sketches = [o.sketch_matrices() for o in owners]
+        h2, finite = ops.sketch_stats(sketches, [o.projection for o in owners])
+        self._count_skips(entries, finite)
+        w2 = self._weight_sq_norms(entries, group["chunk_rows"])
+        lr = group_lr(group, h2.device)
+        if h2.shape[1] > 1 and group.get("expert_norm", "expert") == "stack":
+            # one coefficient per stack, from the norms of the whole stack (finite experts)
+            coef, _ = normalized_coef(w2.sum(1, keepdim=True),
+                                      torch.where(finite, h2, 0.0).sum(1, keepdim=True), lr,
+                                      finite.any(1, keepdim=True))
+            active = finite & (h2 > 0)
+            coefs = torch.where(active, coef, 0.0)
+        else:
+            coefs, active = normalized_coef(w2, h2, lr, finite)
         if group["maximize"]:
-            coef = -coef
-        return LowRankUpdate(p, layer, layer.sketch, coef, 0.0, seed, chunk_rows,
-                             group["stochastic_rounding"], active, sq_norm_out=sq_norm)
+            coefs = -coefs
+        return self._stack_update(entries, group, sketches, coefs, None, active,
+                                  sq_norms=torch.empty_like(w2))
 
     def _propose_dense(self, p, group, state, seed, ok) -> DenseUpdate:
-        coef, active = normalized_coef(p.to(torch.float32).norm(), p.grad.to(torch.float32).norm(),
+        coef, active = normalized_coef(p.to(torch.float32).square().sum(),
+                                       p.grad.to(torch.float32).square().sum(),
                                        group_lr(group, p.device), ok)
         if group["maximize"]:
             coef = -coef

@@ -1,0 +1,331 @@
+"""The engine side: read a payload, check it, replay it on the engine's own weight pieces.
+
+One payload is applied in two passes over the same arithmetic, so that a payload the engine
+cannot reproduce leaves its weights as they were:
+
+1. :meth:`Receiver.prepare`: validate every entry (format, checksum, names, shapes, dtypes,
+   finite values), fingerprint each piece as it is (``base``) and as the update would leave
+   it (``new``), computed ``chunk_rows`` rows at a time in a scratch buffer; nothing is
+   written. The trainer adds the shares of all ranks and compares them with the payload's
+   ``N/base`` and ``N/result``.
+2. :meth:`Receiver.commit`: write the update in place and fingerprint the result again.
+
+:func:`write_chunk` is the one place that calls the rgc core to write an update.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from rgc.integrations.vllm.layout import Piece, locate, piece_fingerprint
+from rgc.projection import PROJECTION_KINDS, make_projection
+from rgc.sync import _DTYPES, CHECKSUM_KEY, READ_FORMATS, payload_checksum
+from rgc.updates import apply_dense_update_, apply_lowrank_update_
+
+_FIELDS = {"lowrank": {"factor", "coef", "decay", "seed", "projection", "options", "base",
+                       "result"},
+           "dense": {"direction", "coef", "decay", "seed", "options", "base", "result"}}
+
+
+_DENSE_CHUNK = 1 << 22
+
+
+class PayloadError(ValueError):
+    """A payload (or a request) the engine refuses; nothing was changed."""
+
+
+@dataclass
+class Entry:
+    """One parameter's update from a payload, in the trainer's ``d x k`` view.
+
+    ``values``: the low-rank factor U (d x r FP32) or the dense direction (d x k FP32).
+    """
+
+    name: str
+    kind: str
+    values: torch.Tensor
+    coef: float
+    decay: float
+    seed: int
+    chunk_rows: int
+    stochastic_rounding: bool
+    dtype: torch.dtype
+    base: int
+    result: int
+    k: int
+    projection: tuple[str, int, int] | None = None  # (kind, r, projection seed)
+
+    @property
+    def d(self) -> int:
+        return self.values.shape[0]
+
+
+def _scalar(payload, key, dtype):
+    t = payload[key]
+    if t.dtype != dtype or t.numel() != 1:
+        raise PayloadError(f"payload entry {key} must be one {dtype} value, got {t.dtype} of "
+                           f"shape {tuple(t.shape)}")
+    value = t.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        raise PayloadError(f"payload entry {key} is not finite ({value})")
+    return value
+
+
+def _ints(payload, key, n) -> list[int]:
+    t = payload[key]
+    if t.dtype != torch.int64 or tuple(t.shape) != (n,):
+        raise PayloadError(f"payload entry {key} must be int64 of shape ({n},)")
+    return [int(x) for x in t]
+
+
+def parse_payload(payload: dict[str, torch.Tensor]) -> tuple[int, list[Entry]]:
+    """``(step, entries)`` of an rgc sync payload (format of :mod:`rgc.sync`).
+
+    Checks the format, the checksum (first, so an altered payload is refused whatever it
+    holds), each entry's fields, dtypes and shapes, and that the values are finite. Raises
+    :class:`PayloadError`.
+    """
+    if not isinstance(payload, dict) or "rgc/format" not in payload:
+        raise PayloadError("not an rgc sync payload (no 'rgc/format' entry); build it with "
+                           "optimizer.export_update(model)")
+    if payload["rgc/format"].tolist() not in [[v] for v in READ_FORMATS]:
+        raise PayloadError(f"unsupported payload format {payload['rgc/format'].tolist()}; "
+                           f"this rgc reads formats {list(READ_FORMATS)}")
+    checksum = payload.get(CHECKSUM_KEY)
+    if (not torch.is_tensor(checksum) or checksum.dtype != torch.uint8
+            or tuple(checksum.shape) != (32,)
+            or not torch.equal(checksum.cpu(), payload_checksum(payload))):
+        raise PayloadError("payload checksum mismatch: the payload was changed or corrupted "
+                           "after export_update() (or has no 'rgc/checksum'); nothing was "
+                           "applied. Send that step's payload again")
+    step = _scalar(payload, "rgc/step", torch.int64)
+    fields: dict[str, set[str]] = {}
+    for key in payload:
+        if key.startswith("rgc/"):
+            continue
+        name, sep, field = key.rpartition("/")
+        if field == "stack":
+            raise PayloadError(
+                f"payload entry {name!r} updates a stack of experts; vLLM keeps mixture-of-"
+                "experts weights in its own fused layout, which this receiver does not write "
+                "yet: resync those weights with push_weights(), or train the experts frozen")
+        if not sep or field not in _FIELDS["lowrank"] | _FIELDS["dense"]:
+            raise PayloadError(f"payload key {key!r} is not '<parameter>/<field>'")
+        fields.setdefault(name, set()).add(field)
+    entries = []
+    for name, have in fields.items():
+        kind = "lowrank" if "factor" in have else "dense"
+        if have != _FIELDS[kind]:
+            raise PayloadError(f"payload entry for {name!r} is incomplete or mixed: it has "
+                               f"fields {sorted(have)}; expected {sorted(_FIELDS[kind])}")
+        chunk_rows, sr, dtype_code = _ints(payload, f"{name}/options", 3)
+        if dtype_code not in range(len(_DTYPES)):
+            raise PayloadError(f"payload entry {name}/options has an unknown dtype code "
+                               f"{dtype_code}")
+        values = payload[f"{name}/{'factor' if kind == 'lowrank' else 'direction'}"]
+        if values.dtype != torch.float32 or values.dim() < 1:
+            raise PayloadError(f"payload {name!r}: the update must be FP32 with at least one "
+                               f"dimension, got {values.dtype} {tuple(values.shape)}")
+        projection = None
+        if kind == "lowrank":
+            pkind, k, r, pseed = _ints(payload, f"{name}/projection", 4)
+            if (values.dim() != 2 or values.shape[1] != r or r < 1 or k < 1 or chunk_rows < 1
+                    or pkind not in range(len(PROJECTION_KINDS))):
+                raise PayloadError(f"payload {name!r}: factor {tuple(values.shape)} with "
+                                   f"projection (kind {pkind}, k={k}, r={r}) and chunk_rows "
+                                   f"{chunk_rows} is not a valid low-rank update")
+            projection = (PROJECTION_KINDS[pkind], r, pseed)
+        else:
+            k = math.prod(values.shape[1:]) if values.dim() > 1 else 1
+            values = values.reshape(values.shape[0], k)
+        if not bool(torch.isfinite(values).all()):
+            raise PayloadError(f"payload entry for {name!r} holds non-finite values")
+        entries.append(Entry(
+            name=name, kind=kind, values=values, coef=_scalar(payload, f"{name}/coef",
+                                                              torch.float64),
+            decay=_scalar(payload, f"{name}/decay", torch.float64),
+            seed=_scalar(payload, f"{name}/seed", torch.int64), chunk_rows=max(chunk_rows, 1),
+            stochastic_rounding=bool(sr), dtype=_DTYPES[dtype_code],
+            base=_scalar(payload, f"{name}/base", torch.int64),
+            result=_scalar(payload, f"{name}/result", torch.int64), k=k,
+            projection=projection))
+    return step, entries
+
+
+def write_chunk(work: torch.Tensor, entry: Entry, row: int, projection) -> None:
+    """Apply ``entry``'s update to ``work``: trainer rows ``[row, row + len(work))``, all ``k``
+    columns, in place, with the rounding bits of flat indices ``row * k + i * k + j``.
+
+    The one call into the rgc core for writing an update. ``work`` is a whole chunk of the
+    trainer's ``chunk_rows`` grid (any rows for a dense update), so the rebuild multiplies the
+    same shapes as the trainer's step did.
+    """
+    offset = row * entry.k
+    rows = slice(row, row + work.shape[0])
+    values = entry.values[rows].to(work.device)
+    if entry.kind == "dense":
+        apply_dense_update_(work, values, entry.coef, decay=entry.decay, seed=entry.seed,
+                            stochastic_rounding=entry.stochastic_rounding, offset=offset)
+        return
+    if entry.coef != 0.0 or entry.decay != 0.0:
+        apply_lowrank_update_(work, values, projection, entry.coef, decay=entry.decay,
+                              seed=entry.seed, offset=offset, chunk_rows=work.shape[0],
+                              stochastic_rounding=entry.stochastic_rounding)
+
+
+def _chunks(piece: Piece, entry: Entry):
+    """``(trainer row of the chunk, its row count, first row of the piece in it, rows of the
+    piece in it)`` over the trainer's chunk grid. A dense update is elementwise (any chunks
+    give the same bits): chunks of about ``_DENSE_CHUNK`` elements."""
+    step = entry.chunk_rows if entry.kind == "lowrank" else max(1, _DENSE_CHUNK // entry.k)
+    end = piece.row0 + piece.rows
+    start = piece.row0 - piece.row0 % step
+    while start < end:
+        stop = min(start + step, entry.d)
+        lo, hi = max(start, piece.row0), min(stop, end)
+        yield start, stop - start, lo, hi - lo
+        start = stop
+
+
+class Receiver:
+    """The rgc state of one engine worker: the weights it updates and the pending payload.
+
+    ``model`` is the worker's ``nn.Module`` (``worker.model_runner.model``).
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.step: int | None = None  # the last step applied; None after a full load
+        self.pending: tuple[int, list[tuple[Entry, Piece]]] | None = None
+        self._pieces: dict[str, Piece] = {}
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.named_parameters(remove_duplicate=False))
+
+    def piece(self, name: str) -> Piece:
+        if name not in self._pieces:
+            try:
+                self._pieces[name] = locate(self.model, name)
+            except KeyError as e:
+                raise PayloadError(f"{e.args[0]}; the engine must serve the trainer's model "
+                                   "architecture") from None
+        return self._pieces[name]
+
+    def _checked_piece(self, entry: Entry, params) -> Piece:
+        piece = self.piece(entry.name)
+        param = params[piece.param]
+        if param.numel() == 0:
+            raise PayloadError(
+                f"the engine's {piece.param!r} is empty: its backend repacked the weights "
+                "after loading (vLLM on a CPU does). Start the engine with worker_extension_cls="
+                "'rgc.integrations.vllm.RGCWorkerExtension', which keeps them plain")
+        if param.dtype != entry.dtype:
+            raise PayloadError(f"{entry.name!r}: the update was made for {entry.dtype} weights "
+                               f"but the engine's are {param.dtype}; start the engine with "
+                               "the trainer's dtype")
+        if (piece.d, piece.k) != (entry.d, entry.k):
+            raise PayloadError(f"{entry.name!r}: the payload's update is {entry.d} x {entry.k} "
+                               f"but the engine's tensor is {piece.d} x {piece.k}")
+        return piece
+
+    def _projection(self, entry: Entry, device, dtype):
+        if entry.kind == "dense":
+            return None
+        kind, r, seed = entry.projection
+        return make_projection(kind, entry.k, r, seed=seed, device=device, dtype=dtype)
+
+    @torch.no_grad()
+    def _pass(self, entry: Entry, piece: Piece, params, *, write: bool) -> int:
+        """Replay ``entry`` on ``piece``: into a scratch buffer (``write=False``; returns the
+        share of the fingerprint the piece would have) or in place (returns the new share)."""
+        view = piece.view(params)
+        projection = self._projection(entry, view.device, view.dtype)
+        share = 0
+        for row, n, lo, m in _chunks(piece, entry):
+            local = view[lo - piece.row0:lo - piece.row0 + m]
+            if write and (n, piece.cols) == (m, entry.k):
+                write_chunk(local, entry, row, projection)
+                continue
+            work = torch.zeros(n, entry.k, dtype=view.dtype, device=view.device)
+            part = work[lo - row:lo - row + m, piece.col0:piece.col0 + piece.cols]
+            part.copy_(local)
+            write_chunk(work, entry, row, projection)
+            if write:
+                local.copy_(part)
+            else:
+                share += piece_fingerprint(part, lo, piece.col0, entry.k)
+        if write:
+            share = piece_fingerprint(view, piece.row0, piece.col0, entry.k)
+        return share
+
+    def prepare(self, payload: dict[str, torch.Tensor]) -> dict:
+        """Check ``payload`` and compute, without writing, each piece's fingerprint shares.
+
+        Returns ``{"step", "last_step", "shares": {name: [key, base share, new share]}}``;
+        the payload stays pending until :meth:`commit` or :meth:`discard`.
+        """
+        self.pending = None
+        step, entries = parse_payload(payload)
+        if self.step is not None and step != self.step + 1:
+            raise PayloadError(f"wrong step order: the engine applied step {self.step} last, "
+                               f"this payload is step {step} (expected {self.step + 1}); send "
+                               "the missing payloads in order, or resend the weights with "
+                               "push_weights")
+        params = self.params()
+        planned = [(e, self._checked_piece(e, params)) for e in entries]
+        shares = {}
+        for entry, piece in planned:
+            base = piece_fingerprint(piece.view(params), piece.row0, piece.col0, entry.k)
+            shares[entry.name] = [list(piece.key), base,
+                                  self._pass(entry, piece, params, write=False)]
+        self.pending = (step, planned)
+        return {"step": step, "last_step": self.step, "shares": shares}
+
+    def commit(self, step: int) -> dict:
+        """Write the pending payload of ``step``; returns ``{"shares": {name: [key, share]}}``
+        of the written pieces."""
+        if self.pending is None or self.pending[0] != step:
+            raise PayloadError(f"no prepared payload of step {step} to commit")
+        _, planned = self.pending
+        self.pending = None
+        params = self.params()
+        shares = {e.name: [list(p.key), self._pass(e, p, params, write=True)]
+                  for e, p in planned}
+        self.step = step
+        return {"shares": shares}
+
+    def discard(self) -> None:
+        self.pending = None
+
+    def fingerprints(self, names) -> dict:
+        """``{name: [key, share, d, k]}`` of the engine's current pieces."""
+        params = self.params()
+        out = {}
+        for name in names:
+            piece = self.piece(name)
+            out[name] = [list(piece.key), piece_fingerprint(piece.view(params), piece.row0,
+                                                            piece.col0, piece.k),
+                         piece.d, piece.k]
+        return out
+
+    def read(self, names) -> dict[str, tuple[list[int], torch.Tensor]]:
+        """``{name: ([row0, rows, col0, cols, d, k], a CPU copy of the piece)}``."""
+        params = self.params()
+        out = {}
+        for name in names:
+            p = self.piece(name)
+            out[name] = ([*p.key, p.d, p.k], p.view(params).detach().cpu().clone())
+        return out
+
+    @torch.no_grad()
+    def load(self, weights: dict[str, torch.Tensor], step: int | None) -> None:
+        """Load full trainer tensors through the model's own weight loader; forget any
+        pending payload; the next payload must be step ``step + 1`` (any step for None)."""
+        self.pending = None
+        device = next(self.model.parameters()).device
+        self.model.load_weights((n, t.to(device)) for n, t in weights.items())
+        self.step = step

@@ -1,0 +1,486 @@
+"""The PyTorch reference of every rgc primitive: the CPU path, and the oracle of the kernels.
+
+One function per primitive, with the signature of its operator in :mod:`rgc.ops` and the
+formula in its docstring. They run on any device. On the CPU the integer hash is one compiled
+loop (``torch.compile`` of :func:`_round_words` / :func:`_hash_words`: integer operations
+only, so compiling changes no bit; measured 3.8 ms vs 3.3 ms for the C loop it replaced on
+4 M elements, against 60 ms as eager int32 ops); every floating-point operation is eager
+torch, one IEEE operation per op, so its bits are fixed by the formula as written.
+
+Stacks: a sketched weight is handled as ``[E, d, k]`` (``E = 1`` for a 2-D weight), its
+sketch ``[E, d, r]`` FP32, its projection ``P`` ``[k, r]``; element ``(e, i, j)`` of stack
+``m`` takes the rounding bits of flat index ``offsets[m] + (e d + i) row_lengths[m] + j``
+(:mod:`rgc.rounding` states the bit convention).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import torch
+from torch.utils import _python_dispatch
+
+from rgc.rounding import MIX32_MUL1, MIX32_MUL2, seed_words
+
+_M32 = 0xFFFFFFFF
+# Elements per hash call: the low index word wraps at most once inside one call.
+_SEGMENT = 1 << 30
+
+
+def as_int32(v: int) -> int:
+    """The int32 whose two's-complement pattern is ``v mod 2**32``."""
+    v &= _M32
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+_MUL1, _MUL2 = as_int32(MIX32_MUL1), as_int32(MIX32_MUL2)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # lowbias32 on int32 patterns: products wrap mod 2**32, masks make the shifts logical.
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _MUL1
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _MUL2
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def _hash_words(out: torch.Tensor, keys: torch.Tensor) -> None:
+    """``out[i] = mix32(mix32((keys[0] + i) ^ keys[1]) ^ keys[2])`` (int32 patterns)."""
+    n = torch.arange(out.numel(), dtype=torch.int32, device=out.device) + keys[0]
+    out.copy_(_mix32(_mix32(n ^ keys[1]) ^ keys[2]))
+
+
+def _round_words(out: torch.Tensor, x_bits: torch.Tensor, keys: torch.Tensor) -> None:
+    """BF16 pattern (low 16 bits of ``out``) of FP32 patterns ``x_bits`` rounded with the hash
+    of indices ``keys[0] + i``: the low 16 hash bits are added, then the upper half is kept;
+    a NaN becomes the quiet NaN of its sign."""
+    n = torch.arange(x_bits.numel(), dtype=torch.int32, device=x_bits.device) + keys[0]
+    h = _mix32(_mix32(n ^ keys[1]) ^ keys[2])
+    rounded = ((h & 0xFFFF) + x_bits) >> 16  # int32 addition: the carry reaches the exponent
+    nan = (x_bits & 0x7FFFFFFF) > 0x7F800000
+    out.copy_(torch.where(nan, (x_bits >> 16) | 0x40, rounded))
+
+
+@functools.cache
+def _compiled(fn):
+    """``fn`` compiled for the CPU (all int32 tensors in and out: it vectorises), or ``fn``
+    itself where torch.compile cannot run here (same bits, ~15x slower).
+
+    Under a dispatch mode (rgc's memory tracker, the tests' counters), which torch.compile
+    does not trace, ``fn`` runs eagerly with the modes switched off: as the compiled loop, it
+    is then one opaque computation that writes its output and allocates nothing seen.
+    """
+    # One thread: the loop is short (a chunk of 128 rows), and an OpenMP pool of its own beside
+    # torch's made the next LAPACK call wait ~10 ms for the other pool's spinning threads.
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.threads": 1})
+
+    def run(*args):
+        nonlocal compiled
+        if _python_dispatch._get_current_dispatch_mode() is not None:
+            with _python_dispatch._disable_current_modes():
+                return fn(*args)
+        if compiled is not fn:
+            try:
+                return compiled(*args)
+            except Exception as exc:  # no C++ compiler, unsupported platform
+                warnings.warn(f"rgc: torch.compile of the CPU hash failed ({exc!s:.200}); using "
+                              "eager torch ops (same bits, slower)", RuntimeWarning, stacklevel=2)
+                compiled = fn
+        return fn(*args)
+    return run
+
+
+def _int32_loop(fn, device: torch.device):
+    return _compiled(fn) if device.type == "cpu" else fn
+
+
+def _segments(numel: int, offset: int, words: tuple[int, int]):
+    """``(start, length, keys)`` per run of at most ``_SEGMENT`` indices over which the high
+    index word is constant; ``keys`` = (low word of the first index, s_lo, high word + s_hi)
+    as int32 patterns."""
+    s_lo, s_hi = words
+    start = 0
+    while start < numel:
+        n = offset + start
+        lo, hi = n & _M32, n >> 32
+        length = min(numel - start, _SEGMENT, (1 << 32) - lo)
+        yield start, length, (as_int32(lo), as_int32(s_lo), as_int32(hi + s_hi))
+        start += length
+
+
+def random_words(numel: int, seed: int, label: str, offset: int = 0,
+                 device=None) -> torch.Tensor:
+    """The hash words of :func:`rgc.rounding.random_bits` as int32 patterns, ``[numel]``."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    out = torch.empty(numel, dtype=torch.int32, device=device)
+    run = _int32_loop(_hash_words, device)
+    for start, length, keys in _segments(numel, offset, seed_words(seed, label)):
+        run(out[start:start + length], torch.tensor(keys, dtype=torch.int32, device=device))
+    return out
+
+
+def stochastic_round_(out: torch.Tensor, x: torch.Tensor, seed: int, offset: int) -> None:
+    """``out <- BF16(x)`` rounded stochastically: element ``i`` of ``x.flatten()`` with the
+    hash bits of flat index ``offset + i`` (the convention of :mod:`rgc.rounding`).
+
+    out: BF16 of ``x``'s shape and device (any strides); x: floating point (made FP32 first).
+    """
+    x32 = x.detach().to(torch.float32).contiguous()
+    _round_owned_(out, x32.clone() if x32.data_ptr() == x.data_ptr() else x32, seed, offset)
+
+
+def _round_owned_(out: torch.Tensor, x32: torch.Tensor, seed: int, offset: int) -> None:
+    """:func:`stochastic_round_` of a contiguous FP32 ``x32`` the caller gives up: its storage
+    receives the rounded patterns before they are copied into ``out`` (no other buffer)."""
+    bits = x32.contiguous().view(-1).view(torch.int32)
+    run = _int32_loop(_round_words, bits.device)
+    for start, length, keys in _segments(bits.numel(), offset, seed_words(seed)):
+        part = bits[start:start + length]
+        run(part, part, torch.tensor(keys, dtype=torch.int32, device=bits.device))
+    out.view(torch.int16).copy_(bits.view(out.shape))  # keeps the low 16 bits: the pattern
+
+
+# -- projections ----------------------------------------------------------------------------
+
+GAUSSIAN_LABEL = "projection-gaussian"
+# The float32 constants of the Box-Muller polynomials. Series: ln f = 2 s (1 + s^2/3 + ... +
+# s^8/9) with s = (f-1)/(f+1), |s| <= 0.172 (error < 1e-9); Taylor series of sin to x^13 and
+# cos to x^14 on [0, pi/2) (error < 1e-9). XSTEP = fl32(pi/2) / 2^22, exact.
+BOX_MULLER_CONSTANTS: dict[str, float] = {
+    "SQRT2": math.sqrt(2.0), "LN2": math.log(2.0),
+    **{f"L{j}": 1.0 / (2 * j + 1) for j in range(1, 5)},
+    "XSTEP": float(torch.tensor(math.pi / 2, dtype=torch.float32)) * 2.0**-22,
+    **{f"S{j}": (-1.0) ** j / math.factorial(2 * j + 1) for j in range(1, 7)},
+    **{f"C{j}": (-1.0) ** j / math.factorial(2 * j) for j in range(1, 8)},
+}
+#: Each constant rounded to float32, as every path uses it.
+BM = {name: float(torch.tensor(v, dtype=torch.float32)) for name, v in
+      BOX_MULLER_CONSTANTS.items()}
+SQRT2_BITS = int(torch.tensor(BM["SQRT2"], dtype=torch.float32).view(torch.int32))
+
+
+def _polynomial(x: torch.Tensor, names: list[str]) -> torch.Tensor:
+    """``((c0 x + c1) x + ...) x + 1`` in float32, one rounding per operation."""
+    p = torch.full_like(x, BM[names[0]])
+    for name in names[1:]:
+        p.mul_(x).add_(BM[name])
+    return p.mul_(x).add_(1.0)
+
+
+def _rho(w0: torch.Tensor) -> torch.Tensor:
+    """``sqrt(-2 ln u)`` for ``u = (w0 + 1) 2^-24`` (w0: 24-bit int32)."""
+    # u = 2^(e - 24) f with f in [sqrt(1/2), sqrt(2)): exponent and mantissa as integers
+    nb = (w0 + 1).to(torch.float32).view(torch.int32)
+    big = (nb & 0x007FFFFF).bitwise_or_(0x3F800000).gt_(SQRT2_BITS).to(torch.int32)
+    f = (nb & 0x007FFFFF).bitwise_or_(0x3F800000).sub_(big << 23).view(torch.float32)
+    e = nb.bitwise_right_shift_(23).sub_(127 + 24).add_(big).to(torch.float32)
+    del nb, big
+    s = (f - 1.0).div_(f.add_(1.0))  # (f - 1) / (f + 1)
+    del f
+    ln_u = e.mul_(BM["LN2"]).add_((s * 2.0).mul_(_polynomial(s.square(), ["L4", "L3", "L2",
+                                                                      "L1"])))
+    # torch's float32 sqrt is not correctly rounded on the CPU (15% of values differ by one
+    # unit); the float64 square root rounded to float32 is (53 >= 2 * 24 + 2 bits).
+    return ln_u.mul_(-2.0).double().sqrt_().to(torch.float32)
+
+
+def _polar(rho: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rho cos(theta), rho sin(theta))`` for ``theta = 2 pi w1 2^-24`` (w1: 24-bit int32).
+
+    The quadrant ``q = w1 >> 22`` picks ``cos = (cs, -sn, -cs, sn)[q]``,
+    ``sin = (sn, cs, -sn, -cs)[q]`` of the polynomials on ``[0, pi/2)``. The choice and the
+    signs are bit operations on the patterns (exact; ``torch.where`` on floats is slow on the
+    CPU); arithmetic is in place where that changes no bit.
+    """
+    x = (w1 & 0x3FFFFF).to(torch.float32).mul_(BM["XSTEP"])
+    y = x * x
+    sn = _polynomial(y, ["S6", "S5", "S4", "S3", "S2", "S1"]).mul_(x)
+    del x
+    cs = _polynomial(y, ["C7", "C6", "C5", "C4", "C3", "C2", "C1"])
+    del y
+    q = w1 >> 22
+    sn_bits, cs_bits = sn.view(torch.int32), cs.view(torch.int32)
+    swap = (cs_bits ^ sn_bits).bitwise_and_((q & 1).neg_())  # odd quadrants swap the two
+    cs_bits ^= swap
+    sn_bits ^= swap
+    del swap
+    cs_bits ^= (q ^ (q >> 1)).bitwise_and_(1).bitwise_left_shift_(31)  # - for q = 1, 2
+    sn_bits ^= q.bitwise_right_shift_(1).bitwise_left_shift_(31)  # - for q = 2, 3
+    return cs.mul_(rho), sn.mul_(rho)
+
+
+def _gaussian_block(cos_out: torch.Tensor, sin_out: torch.Tensor, keys: torch.Tensor) -> None:
+    """``cos_out, sin_out = box_muller(w0, w1)`` (1-D) of the words of indices
+    ``keys[0, 0] + i`` and ``keys[1, 0] + i`` (``keys[:, 1:]``: the seed words). Compiled on
+    the CPU (:func:`_compiled`): one loop for the whole pipeline, whose float operations are
+    the eager ones one by one (inductor neither reassociates nor fuses multiply-adds:
+    ``-ffp-contract=off``, no unsafe math), so the bits are the same; the tests compare the
+    two."""
+    n = torch.arange(cos_out.numel(), dtype=torch.int32, device=cos_out.device)
+    w0 = _mix32(_mix32((n + keys[0, 0]) ^ keys[0, 1]) ^ keys[0, 2])
+    w1 = _mix32(_mix32((n + keys[1, 0]) ^ keys[1, 1]) ^ keys[1, 2])
+    cos, sin = _polar(_rho((w0 >> 8) & 0xFFFFFF), (w1 >> 8) & 0xFFFFFF)
+    cos_out.copy_(cos)
+    sin_out.copy_(sin)
+
+
+def box_muller(w0: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rho cos(theta), rho sin(theta))`` (FP32) of 24-bit words ``w0``, ``w1`` (int32):
+    ``rho = sqrt(-2 ln u)``, ``u = (w0 + 1) 2^-24``, ``theta = 2 pi w1 2^-24``, with the float32
+    polynomials of :data:`BOX_MULLER_CONSTANTS` evaluated one IEEE operation at a time."""
+    return _polar(_rho(w0), w1)
+
+
+#: Box-Muller pairs computed at once: the temporaries of the eager path (29 bytes per pair,
+#: measured) stay below 1 MiB whatever k and r; the compiled loop has none.
+GAUSSIAN_BLOCK = 1 << 15
+
+
+def gaussian_matrices(k: int, r: int, seeds: list[int], device) -> torch.Tensor:
+    """``G`` for each seed: ``[M, k, r]`` FP32 Box-Muller Gaussians (a view of ``[M, k, 2h]``).
+
+    With ``h = ceil(r/2)``, pair ``c`` of row ``i`` (``m = i h + c``) takes the words of indices
+    ``m`` and ``k h + m`` (label ``"projection-gaussian"``) shifted right by 8:
+    ``G[i, c], G[i, h + c] = box_muller(w0, w1)``. Elementwise, so a seed's ``G`` does not
+    depend on the other seeds of the batch; the Triton kernel performs the same operations.
+    """
+    device = torch.device(device)
+    h = (r + 1) // 2
+    pairs = k * h
+    if 2 * pairs >= 1 << 32:
+        raise ValueError(f"a {k} x {r} projection is too large (2 k ceil(r/2) >= 2**32)")
+    g = torch.empty(len(seeds), k, 2 * h, dtype=torch.float32, device=device)
+    rows = max(1, GAUSSIAN_BLOCK // h)
+    run = _int32_loop(_gaussian_block, device)
+    # 1-D contiguous buffers: one compiled graph serves every k and r
+    cos = torch.empty(min(rows, k) * h, dtype=torch.float32, device=device)
+    sin = torch.empty_like(cos)
+    for m, seed in enumerate(seeds):
+        s_lo, s_hi = seed_words(seed, GAUSSIAN_LABEL)
+        for i in range(0, k, rows):
+            n = min(rows, k - i) * h
+            # 2 k h < 2**32: the index has no high word, the key is s_hi alone
+            keys = torch.tensor([[as_int32(i * h), as_int32(s_lo), as_int32(s_hi)],
+                                 [as_int32(pairs + i * h), as_int32(s_lo), as_int32(s_hi)]],
+                                dtype=torch.int32, device=device)
+            run(cos[:n], sin[:n], keys)
+            g[m, i:i + n // h, :h] = cos[:n].view(-1, h)
+            g[m, i:i + n // h, h:] = sin[:n].view(-1, h)
+    return g[:, :, :r]
+
+
+def orthonormalize(g: torch.Tensor, scale: float, gram_fp64: bool) -> torch.Tensor:
+    """``scale * Q`` for the thin QR ``g = Q R`` (``R`` with a positive diagonal), per matrix.
+
+    g: ``[M, k, r]`` FP32, k >= r, full column rank. For ``k >= 4 r`` one CholeskyQR pass:
+    ``R`` from the Gram ``g^T g`` (float64 if ``gram_fp64``, else FP32), ``g (scale R^-1)`` in
+    FP32; returns FP32. Otherwise shifted CholeskyQR3 in float64 (returns float64). Matrix by
+    matrix with 2-D products, so a matrix's bits do not depend on the batch it is in.
+    """
+    k, r = g.shape[1:]
+    return torch.stack([_orthonormalize_one(x, scale, gram_fp64) for x in g]) if len(g) else (
+        torch.empty(g.shape, dtype=torch.float32 if k >= 4 * r else torch.float64,
+                    device=g.device))
+
+
+def _orthonormalize_one(g: torch.Tensor, scale: float, gram_fp64: bool) -> torch.Tensor:
+    k, r = g.shape
+    if k >= 4 * r:
+        gw = g.double() if gram_fp64 else g
+        inverse = _scaled_inverse_cholesky(gw.t() @ gw, scale)
+        return g @ inverse.to(g.dtype)
+    q = g.double()
+    for i in range(3):
+        gram = q.t() @ q
+        if i == 0:
+            # Fukaya et al. (2020): shift 11 (k r + r (r + 1)) u ||G||_F^2, which keeps the
+            # Cholesky factorisation of a nearly singular Gram defined.
+            unit = torch.finfo(torch.float64).eps / 2
+            gram.diagonal().add_(gram.diagonal().sum() * (11 * (k * r + r * (r + 1)) * unit))
+        q = q @ _scaled_inverse_cholesky(gram, scale if i == 2 else 1.0)
+    return q
+
+
+RADEMACHER_LABEL = "projection-rademacher"
+
+
+@torch.no_grad()
+def make_projections_(outs: list[torch.Tensor], kind: str, seeds: list[int]) -> None:
+    """Write the projection of ``seeds[m]`` into ``outs[m]`` (k x r, any float dtype), one
+    matrix at a time (no temporary larger than one projection's).
+
+    ``orthonormal``: ``sqrt(k/r)`` times the CholeskyQR ``Q`` of ``G`` (Gram in float64 unless
+    the output is BF16); ``gaussian``: ``G / sqrt(r)``; ``rademacher``: ``+-1/sqrt(r)`` by the
+    top bit of word ``i r + j`` (label ``"projection-rademacher"``). Rounded once to the
+    output's dtype.
+    """
+    for out, seed in zip(outs, seeds, strict=True):
+        k, r = out.shape
+        if kind == "rademacher":
+            words = random_words(k * r, seed, RADEMACHER_LABEL, 0, out.device).view(k, r)
+            magnitude = torch.tensor(1.0 / math.sqrt(r), dtype=out.dtype, device=out.device)
+            torch.where(words < 0, -magnitude, magnitude, out=out)
+            continue
+        g = gaussian_matrices(k, r, [seed], out.device)
+        if kind == "gaussian":
+            torch.div(g[0], math.sqrt(r), out=out)
+        else:
+            # Rounding to BF16 (relative 2**-9) swamps the ~1e-5 error of an FP32 Gram.
+            out.copy_(_orthonormalize_one(g[0], math.sqrt(k / r), out.dtype != torch.bfloat16))
+
+
+def _scaled_inverse_cholesky(gram: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale R^-1`` for the upper Cholesky factor ``R`` of each ``gram = R^T R``.
+
+    ``cholesky_ex`` does not check its result (nothing synchronises with the device). An
+    explicit inverse and a product, not a triangular solve with g: for k in the thousands the
+    solve was 10x slower than the product on the CPU."""
+    upper, _ = torch.linalg.cholesky_ex(gram, upper=True)
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device).mul_(scale)
+    return torch.linalg.solve_triangular(upper, eye, upper=True)
+
+
+# -- the update and the norms ---------------------------------------------------------------
+
+def _sq_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of one chunk in FP32 (0-dim): the one reduction of :func:`sum_squares`
+    and of :func:`lowrank_update_`'s norms, so a recomputed norm has the update's bits."""
+    v = values.to(torch.float32, copy=True)
+    return v.mul_(v).sum()
+
+
+def _write_rows(rows: torch.Tensor, new: torch.Tensor, *, seed: int, offset: int,
+                row_length: int, stochastic_rounding: bool) -> None:
+    """Store FP32 ``new`` into ``rows`` (BF16: stochastically, row ``i`` element ``j`` with
+    the bits of ``offset + i row_length + j``; else as ``copy_`` rounds)."""
+    if rows.dtype != torch.bfloat16 or not stochastic_rounding:
+        rows.copy_(new)
+        return
+    if row_length == rows.shape[1]:
+        _round_owned_(rows, new, seed, offset)
+        return
+    for i in range(rows.shape[0]):  # a column slice of a wider matrix: its own index per row
+        stochastic_round_(rows[i], new[i], seed, offset + i * row_length)
+
+
+@torch.no_grad()
+def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
+                    projections: list[torch.Tensor], coefs: torch.Tensor,
+                    decays: torch.Tensor | None,
+                    seeds: list[int], offsets: list[int], row_lengths: list[int],
+                    stochastic_rounding: bool, chunk_rows: int,
+                    sq_norms: torch.Tensor | None) -> None:
+    """In place, for every matrix ``(m, e)``: ``W <- W (1 - decay) - coef U P^T`` in FP32,
+    then one write (stochastic rounding for BF16 W unless disabled), rebuilding ``U P^T``
+    ``chunk_rows`` rows at a time (the largest temporaries are chunk_rows x k FP32).
+
+    weights[m]: ``[E, d, k]`` BF16/FP32 (rows contiguous or not); factors[m]: ``[E, d, r]`` FP32;
+    projections[m]: ``[k, r]``; coefs, decays: ``[M, E]`` FP32 on W's device, never read on the
+    host (``decays=None``: no decay, and no FP32 copy of the rows). Where ``coef == 0`` the
+    factor and P are replaced by zeros (a select), so ``U P^T`` is exactly +0 and, with
+    ``decay == 0``, W is stored back bit-identical (signed zeros included) even when U or P
+    hold inf/NaN. ``sq_norms`` (``[M, E]`` FP32 or ``None``) is
+    overwritten with ``sum(float32(stored W)^2)`` per matrix: per chunk in FP32, chunks added
+    in row order (the reduction of :func:`sum_squares`).
+    """
+    for m, (w3, u3, p) in enumerate(zip(weights, factors, projections, strict=True)):
+        e_count, d, k = w3.shape
+        for e in range(e_count):
+            c = coefs[m, e]
+            keep = c != 0
+            p_t = torch.where(keep, p.to(torch.float32), 0.0).t()
+            factor = None if decays is None else 1.0 - decays[m, e]
+            total = torch.zeros((), dtype=torch.float32, device=w3.device)
+            for start in range(0, d, chunk_rows):
+                rows = w3[e, start:start + chunk_rows]
+                h = torch.where(keep, u3[e, start:start + chunk_rows] * c, 0.0) @ p_t
+                if factor is None:  # in FP32 (type promotion), without an FP32 copy of rows
+                    new = torch.sub(rows, h, out=h)
+                else:
+                    new = rows.to(torch.float32).mul_(factor).sub_(h)
+                _write_rows(rows, new, seed=seeds[m],
+                            offset=offsets[m] + (e * d + start) * row_lengths[m],
+                            row_length=row_lengths[m], stochastic_rounding=stochastic_rounding)
+                if sq_norms is not None:
+                    total += _sq_sum(rows)
+            if sq_norms is not None:
+                sq_norms[m, e] = total
+
+
+@torch.no_grad()
+def sum_squares(weights: list[torch.Tensor], chunk_rows: int) -> torch.Tensor:
+    """``||W_e||_F^2`` of every matrix of every stack, ``[M, E]`` FP32: per chunk of
+    ``chunk_rows`` rows in FP32, chunks added in row order (no FP32 copy of W).
+
+    weights[m]: ``[E, d, k]`` (same E for all m)."""
+    if not weights:
+        return torch.zeros(0, 0, dtype=torch.float32)
+    out = torch.zeros(len(weights), weights[0].shape[0], dtype=torch.float32,
+                      device=weights[0].device)
+    for m, w3 in enumerate(weights):
+        for e in range(w3.shape[0]):
+            total = torch.zeros((), dtype=torch.float32, device=w3.device)
+            for start in range(0, w3.shape[1], chunk_rows):
+                total += _sq_sum(w3[e, start:start + chunk_rows])
+            out[m, e] = total
+    return out
+
+
+@torch.no_grad()
+def sketch_stats(sketches: list[torch.Tensor], projections: list[torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(||C_e P^T||_F^2, all(isfinite(C_e)))`` per matrix, ``[M, E]`` FP32 and bool.
+
+    ``||C P^T||_F^2 = trace(C (P^T P) C^T)`` from the r x r Gram (no k-sized temporary),
+    clamped at 0; sketches[m]: ``[E, d, r]`` FP32, projections[m]: ``[k, r]``.
+    """
+    if not sketches:
+        empty = torch.zeros(0, 0)
+        return empty, empty.bool()
+    device = sketches[0].device
+    e_count = sketches[0].shape[0]
+    h2 = torch.zeros(len(sketches), e_count, dtype=torch.float32, device=device)
+    finite = torch.zeros(len(sketches), e_count, dtype=torch.bool, device=device)
+    for m, (c3, p) in enumerate(zip(sketches, projections, strict=True)):
+        p32 = p.to(torch.float32)
+        gram = p32.t() @ p32
+        for e in range(c3.shape[0]):
+            c = c3[e]
+            h2[m, e] = (c @ gram).mul_(c).sum().clamp_min(0)
+            finite[m, e] = torch.isfinite(c).all()
+    return h2, finite
+
+
+# -- RowAdam's moments ----------------------------------------------------------------------
+
+@torch.no_grad()
+def row_adam_(sketches: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+              exp_avg_sqs: list[torch.Tensor], active: torch.Tensor, steps: torch.Tensor,
+              beta1: float, beta2: float, eps: float, maximize: bool) -> None:
+    """RowAdam's moment update and direction, in place, for every matrix ``(m, e)``::
+
+        g = -S if maximize else S                                        (d x r)
+        m <- b1 m + (1 - b1) g,   v <- b2 v + (1 - b2) mean_j g[:, j]^2    where active[m, e]
+        S <- U = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)           t = steps[m, e]
+
+    sketches[m], exp_avgs[m]: ``[E, d, r]`` FP32 (S, m); exp_avg_sqs[m]: ``[E, d]`` FP32 (v);
+    active: ``[M, E]`` bool; steps: ``[M, E]`` int64, the applied-update count t. Elsewhere m
+    and v keep their bits (a select); U is written everywhere (where inactive it may not be
+    finite: the caller gives it coefficient 0). FP32 arithmetic, one torch operation per
+    stack and step of the formula, the bias corrections ``1 - b^t`` formed in float64 and
+    rounded to FP32: RowAdam's bits since its first version. U takes the sketch's storage.
+    """
+    for s, m, v, ok, t in zip(sketches, exp_avgs, exp_avg_sqs, active, steps, strict=True):
+        g = -s if maximize else s
+        ok_rows = ok.view(-1, 1)
+        m.copy_(torch.where(ok_rows[..., None], m.mul(beta1).add_(g, alpha=1.0 - beta1), m))
+        v.copy_(torch.where(ok_rows, v.mul(beta2).add_(g.square().mean(dim=-1),
+                                                        alpha=1.0 - beta2), v))
+        t = t.to(torch.float64)
+        correction1 = (1.0 - beta1 ** t).to(torch.float32).view(-1, 1, 1)
+        correction2 = (1.0 - beta2 ** t).to(torch.float32).view(-1, 1)
+        denom = (v / correction2).sqrt_().add_(eps)
+        torch.div(m, correction1, out=s).div_(denom[..., None])
