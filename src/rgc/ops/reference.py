@@ -64,14 +64,38 @@ def _round_words(out: torch.Tensor, x_bits: torch.Tensor, keys: torch.Tensor) ->
     out.copy_(torch.where(nan, (x_bits >> 16) | 0x40, rounded))
 
 
+def _update_words(w: torch.Tensor, h: torch.Tensor, factor: torch.Tensor,
+                  keys: torch.Tensor) -> None:
+    """``h <-`` the BF16 patterns (int32, in ``h``'s storage) of ``float32(w) factor - h``
+    rounded as :func:`_round_words` does, with the hash of indices ``keys[0] + i``.
+
+    w: BF16 ``[n]``; h: FP32 ``[n]``, consumed; factor: 0-dim FP32 (``1 - decay``, or 1,
+    which changes no bit). One multiply and one subtract per element, as the eager
+    ``w.float() * factor - h``: the update of one run of weights in a single pass."""
+    bits = (w.to(torch.float32) * factor - h).view(torch.int32)
+    n = torch.arange(bits.numel(), dtype=torch.int32, device=bits.device) + keys[0]
+    noise = _mix32(_mix32(n ^ keys[1]) ^ keys[2]) & 0xFFFF
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    h.view(torch.int32).copy_(torch.where(nan, (bits >> 16) | 0x40, (noise + bits) >> 16))
+
+
+def _sq_sum_words(w3: torch.Tensor) -> torch.Tensor:
+    """``sum(float32(w3[e])^2)`` per matrix of a stack ``[E, d, k]`` (any strides, any float
+    dtype): ``[E]`` FP32, each reduction one loop over the matrix without an FP32 copy."""
+    v = w3.to(torch.float32)
+    return (v * v).sum(dim=(1, 2))
+
+
 @functools.cache
 def _compiled(fn):
-    """``fn`` compiled for the CPU (all int32 tensors in and out: it vectorises), or ``fn``
-    itself where torch.compile cannot run here (same bits, ~15x slower).
+    """``fn`` compiled for the CPU (one vectorised loop), or ``fn`` itself where torch.compile
+    cannot run here (~15x slower; the same bits, but for the reduction of
+    :func:`_sq_sum_words`, whose order is the compiled loop's: a process uses one or the
+    other for every norm).
 
     Under a dispatch mode (rgc's memory tracker, the tests' counters), which torch.compile
-    does not trace, ``fn`` runs eagerly with the modes switched off: as the compiled loop, it
-    is then one opaque computation that writes its output and allocates nothing seen.
+    does not trace, the loop runs with the modes switched off: one opaque computation that
+    writes its output and allocates nothing seen, with the bits it has outside the mode.
     """
     # One thread: the loop is short (a chunk of 128 rows), and an OpenMP pool of its own beside
     # torch's made the next LAPACK call wait ~10 ms for the other pool's spinning threads.
@@ -81,13 +105,13 @@ def _compiled(fn):
         nonlocal compiled
         if _python_dispatch._get_current_dispatch_mode() is not None:
             with _python_dispatch._disable_current_modes():
-                return fn(*args)
+                return run(*args)
         if compiled is not fn:
             try:
                 return compiled(*args)
             except Exception as exc:  # no C++ compiler, unsupported platform
-                warnings.warn(f"rgc: torch.compile of the CPU hash failed ({exc!s:.200}); using "
-                              "eager torch ops (same bits, slower)", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"rgc: torch.compile of a CPU loop failed ({exc!s:.200}); using "
+                              "eager torch ops (slower)", RuntimeWarning, stacklevel=2)
                 compiled = fn
         return fn(*args)
     return run
@@ -345,22 +369,35 @@ def _scaled_inverse_cholesky(gram: torch.Tensor, scale: float) -> torch.Tensor:
 
 # -- the update and the norms ---------------------------------------------------------------
 
-def _sq_sum(values: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of one chunk in FP32 (0-dim): the one reduction of :func:`sum_squares`
-    and of :func:`lowrank_update_`'s norms, so a recomputed norm has the update's bits."""
-    v = values.to(torch.float32, copy=True)
-    return v.mul_(v).sum()
+def _sq_sums(w3: torch.Tensor) -> torch.Tensor:
+    """``||W_e||_F^2`` of a stack ``[E, d, k]``, ``[E]`` FP32: the one reduction of
+    :func:`sum_squares` and of :func:`lowrank_update_`'s norms, so a recomputed norm has the
+    update's bits."""
+    return _int32_loop(_sq_sum_words, w3.device)(w3)
 
 
-def _write_rows(rows: torch.Tensor, new: torch.Tensor, *, seed: int, offset: int,
-                row_length: int, stochastic_rounding: bool) -> None:
-    """Store FP32 ``new`` into ``rows`` (BF16: stochastically, row ``i`` element ``j`` with
-    the bits of ``offset + i row_length + j``; else as ``copy_`` rounds)."""
+def _write_rows(rows: torch.Tensor, h: torch.Tensor, factor: torch.Tensor | None, *,
+                seed: int, offset: int, row_length: int, stochastic_rounding: bool) -> None:
+    """``rows <- rows * factor - h`` in FP32 (``factor=None``: 1), then stored: BF16 rows
+    stochastically, row ``i`` element ``j`` with the bits of ``offset + i row_length + j``,
+    others as ``copy_`` rounds. ``h`` (FP32, rows' shape, contiguous) is consumed."""
+    if rows.dtype == torch.bfloat16 and stochastic_rounding and rows.is_contiguous() \
+            and row_length == rows.shape[1]:  # one pass: its patterns in h, then stored
+        flat, words = rows.view(-1), h.view(-1)
+        factor = torch.ones((), device=rows.device) if factor is None else factor
+        run = _int32_loop(_update_words, rows.device)
+        for start, length, keys in _segments(flat.numel(), offset, seed_words(seed)):
+            part = slice(start, start + length)
+            run(flat[part], words[part], factor,
+                torch.tensor(keys, dtype=torch.int32, device=rows.device))
+        flat.view(torch.int16).copy_(words.view(torch.int32))  # the low 16 bits: the pattern
+        return
+    if factor is None:  # in FP32 (type promotion), without an FP32 copy of rows
+        new = torch.sub(rows, h, out=h)
+    else:
+        new = rows.to(torch.float32).mul_(factor).sub_(h)
     if rows.dtype != torch.bfloat16 or not stochastic_rounding:
         rows.copy_(new)
-        return
-    if row_length == rows.shape[1]:
-        _round_owned_(rows, new, seed, offset)
         return
     for i in range(rows.shape[0]):  # a column slice of a wider matrix: its own index per row
         stochastic_round_(rows[i], new[i], seed, offset + i * row_length)
@@ -383,8 +420,8 @@ def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
     factor and P are replaced by zeros (a select), so ``U P^T`` is exactly +0 and, with
     ``decay == 0``, W is stored back bit-identical (signed zeros included) even when U or P
     hold inf/NaN. ``sq_norms`` (``[M, E]`` FP32 or ``None``) is
-    overwritten with ``sum(float32(stored W)^2)`` per matrix: per chunk in FP32, chunks added
-    in row order (the reduction of :func:`sum_squares`).
+    overwritten with ``sum(float32(stored W)^2)`` per matrix, after the stack is written (the
+    reduction of :func:`sum_squares`).
     """
     for m, (w3, u3, p) in enumerate(zip(weights, factors, projections, strict=True)):
         e_count, d, k = w3.shape
@@ -393,27 +430,20 @@ def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
             keep = c != 0
             p_t = torch.where(keep, p.to(torch.float32), 0.0).t()
             factor = None if decays is None else 1.0 - decays[m, e]
-            total = torch.zeros((), dtype=torch.float32, device=w3.device)
             for start in range(0, d, chunk_rows):
                 rows = w3[e, start:start + chunk_rows]
                 h = torch.where(keep, u3[e, start:start + chunk_rows] * c, 0.0) @ p_t
-                if factor is None:  # in FP32 (type promotion), without an FP32 copy of rows
-                    new = torch.sub(rows, h, out=h)
-                else:
-                    new = rows.to(torch.float32).mul_(factor).sub_(h)
-                _write_rows(rows, new, seed=seeds[m],
+                _write_rows(rows, h, factor, seed=seeds[m],
                             offset=offsets[m] + (e * d + start) * row_lengths[m],
                             row_length=row_lengths[m], stochastic_rounding=stochastic_rounding)
-                if sq_norms is not None:
-                    total += _sq_sum(rows)
-            if sq_norms is not None:
-                sq_norms[m, e] = total
+        if sq_norms is not None:
+            sq_norms[m] = _sq_sums(w3)
 
 
 @torch.no_grad()
 def sum_squares(weights: list[torch.Tensor], chunk_rows: int) -> torch.Tensor:
-    """``||W_e||_F^2`` of every matrix of every stack, ``[M, E]`` FP32: per chunk of
-    ``chunk_rows`` rows in FP32, chunks added in row order (no FP32 copy of W).
+    """``||W_e||_F^2`` of every matrix of every stack, ``[M, E]`` FP32, by one compiled
+    reduction per stack on the CPU (FP32, no FP32 copy of W; ``chunk_rows`` is the kernels').
 
     weights[m]: ``[E, d, k]`` (same E for all m)."""
     if not weights:
@@ -421,11 +451,7 @@ def sum_squares(weights: list[torch.Tensor], chunk_rows: int) -> torch.Tensor:
     out = torch.zeros(len(weights), weights[0].shape[0], dtype=torch.float32,
                       device=weights[0].device)
     for m, w3 in enumerate(weights):
-        for e in range(w3.shape[0]):
-            total = torch.zeros((), dtype=torch.float32, device=w3.device)
-            for start in range(0, w3.shape[1], chunk_rows):
-                total += _sq_sum(w3[e, start:start + chunk_rows])
-            out[m, e] = total
+        out[m] = _sq_sums(w3)
     return out
 
 
