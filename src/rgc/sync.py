@@ -42,6 +42,7 @@ import math
 import torch
 import torch.nn as nn
 
+from rgc.ops.reference import _int32_loop
 from rgc.projection import PROJECTION_KINDS, make_projection
 from rgc.updates import (
     DenseUpdate,
@@ -65,19 +66,48 @@ _HASH_A, _HASH_B = 1_103_515_245, 12_345
 
 
 @torch.no_grad()
+def _share_words(bits: torch.Tensor, origin: torch.Tensor) -> torch.Tensor:
+    """``sum bits_ij * ((n_ij A + B) mod M) mod M`` over a block of int16/int32 patterns
+    (``bits`` 2-D, taken unsigned) at flat indices ``n_ij = (origin[0] + i) origin[2] +
+    origin[1] + j`` (``origin`` int64 ``[3]``: first row, first column, row length), as a
+    0-dim int64. Integer arithmetic only: compiled or not, the same value."""
+    values = bits.to(torch.int64) & (0xFFFF if bits.dtype == torch.int16 else 0xFFFFFFFF)
+    rows = torch.arange(bits.shape[0], dtype=torch.int64, device=bits.device) + origin[0]
+    cols = torch.arange(bits.shape[1], dtype=torch.int64, device=bits.device) + origin[1]
+    index = rows[:, None] * origin[2] + cols[None, :]
+    return (values * ((index % _PRIME * _HASH_A + _HASH_B) % _PRIME) % _PRIME).sum()
+
+
+def fingerprint_share(values: torch.Tensor, row0: int, col0: int, k: int) -> torch.Tensor:
+    """The share of :func:`fingerprint` of a block of a ``d x k`` tensor (0-dim int64 on its
+    device): ``values`` (BF16 or FP32, ``rows x cols``) at row ``row0``, column ``col0``. The
+    shares of disjoint blocks covering the tensor add up, mod ``2^31 - 1``, to its fingerprint.
+    About ``2^20`` elements at a time (no product reaches 2^63); one compiled loop each on the
+    CPU."""
+    if values.dtype not in _DTYPES:
+        raise TypeError(f"fingerprint supports {_DTYPES}, got {values.dtype}")
+    int_dtype = torch.int16 if values.dtype == torch.bfloat16 else torch.int32
+    bits = values.detach().contiguous().view(int_dtype)
+    run = _int32_loop(_share_words, bits.device)
+    step = max(1, _CHUNK // max(bits.shape[1], 1))
+    total = torch.zeros((), dtype=torch.int64, device=bits.device)
+    for start in range(0, bits.shape[0], step):
+        origin = torch.tensor([row0 + start, col0, k], dtype=torch.int64, device=bits.device)
+        total = (total + run(bits[start:start + step], origin)) % _PRIME
+    return total
+
+
 def fingerprint_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """:func:`fingerprint` as a 0-dim int64 tensor on ``tensor``'s device (no host read)."""
     if tensor.dtype not in _DTYPES:
         raise TypeError(f"fingerprint supports {_DTYPES}, got {tensor.dtype}")
-    int_dtype, mask = ((torch.int16, 0xFFFF) if tensor.dtype == torch.bfloat16
-                       else (torch.int32, 0xFFFFFFFF))
-    flat = tensor.detach().contiguous().view(-1).view(int_dtype)
-    total = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start in range(0, flat.numel(), _CHUNK):
-        bits = flat[start:start + _CHUNK].to(torch.int64) & mask
-        index = torch.arange(start, start + bits.numel(), dtype=torch.int64, device=bits.device)
-        mult = (index % _PRIME * _HASH_A + _HASH_B) % _PRIME
-        total = (total + (bits * mult % _PRIME).sum()) % _PRIME
+    flat = tensor.detach().reshape(-1)
+    blocks = flat[:flat.numel() - flat.numel() % _CHUNK].view(-1, _CHUNK)
+    total = fingerprint_share(blocks, 0, 0, _CHUNK) if blocks.numel() else torch.zeros(
+        (), dtype=torch.int64, device=flat.device)
+    tail = flat[blocks.numel():]
+    if tail.numel():
+        total = (total + fingerprint_share(tail.view(1, -1), 0, blocks.numel(), 0)) % _PRIME
     return total
 
 

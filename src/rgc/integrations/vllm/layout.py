@@ -27,9 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from rgc.sync import _HASH_A, _HASH_B, _PRIME
-
-_CHUNK = 1 << 20
+from rgc.sync import _PRIME, fingerprint_share
 
 
 @dataclass(frozen=True)
@@ -163,21 +161,7 @@ def piece_fingerprint(values: torch.Tensor, row0: int, col0: int, k: int) -> int
     The shares of disjoint blocks covering the tensor add up (mod ``2^31 - 1``) to its
     fingerprint.
     """
-    int_dtype, mask = ((torch.int16, 0xFFFF) if values.dtype == torch.bfloat16
-                       else (torch.int32, 0xFFFFFFFF))
-    rows, cols = values.shape
-    bits_all = values.contiguous().view(int_dtype)
-    col_index = torch.arange(col0, col0 + cols, dtype=torch.int64, device=values.device)
-    step = max(1, _CHUNK // max(cols, 1))
-    total = torch.zeros((), dtype=torch.int64, device=values.device)
-    for start in range(0, rows, step):
-        bits = bits_all[start:start + step].to(torch.int64) & mask
-        row_index = torch.arange(row0 + start, row0 + start + bits.shape[0], dtype=torch.int64,
-                                 device=values.device)
-        index = row_index[:, None] * k + col_index[None, :]
-        mult = (index % _PRIME * _HASH_A + _HASH_B) % _PRIME
-        total = (total + (bits * mult % _PRIME).sum()) % _PRIME
-    return int(total)
+    return int(fingerprint_share(values, row0, col0, k))
 
 
 def combine(shares: list[tuple[tuple, int]], d: int, k: int, name: str) -> int:
