@@ -1,11 +1,16 @@
-"""What every rgc optimizer shares: gather, propose, scale, apply, refresh, record.
+"""What every rgc optimizer shares: gather, measure, propose, scale, apply, refresh, record.
 
-A step of a :class:`SketchOptimizer` proposes, for every parameter with a sketch or gradient,
-an update in factored form (:class:`LowRankUpdate` or :class:`DenseUpdate`), optionally lets
-a step controller scale all proposals by one ``alpha`` (see :class:`rgc.PredictedKL`), applies
+A step of a :class:`SketchOptimizer` measures, for every parameter with a sketch or gradient,
+the sums its rule needs (:class:`Partials`: norms, non-finite counts), then proposes an update
+in factored form (:class:`LowRankUpdate` or :class:`DenseUpdate`) from them, optionally lets a
+step controller scale all proposals by one ``alpha`` (see :class:`rgc.PredictedKL`), applies
 them, then clears sketches and, after the last update, refreshes projections. The same apply
 functions serve a sync receiver (:func:`rgc.apply_update`), which is why its weights match the
 trainer's bit for bit.
+
+Measuring and proposing are two phases so that a distributed optimizer
+(:mod:`rgc.distributed`) can sum the partial sums of row shards over its ranks, all
+parameters in one collective, in between; on one process nothing happens there.
 """
 
 from __future__ import annotations
@@ -26,19 +31,53 @@ from rgc.seeding import derive_seed
 from rgc.sync import build_payload, fingerprint_tensor
 from rgc.updates import DenseUpdate, LowRankUpdate, StackUpdate, to_host
 
-__all__ = ["DenseUpdate", "Entry", "LowRankUpdate", "SketchOptimizer", "StackUpdate",
-           "check_common_args", "rounding_seed"]
+__all__ = ["DenseUpdate", "Entry", "LowRankUpdate", "Partials", "SketchOptimizer",
+           "StackUpdate", "check_common_args", "rounding_seed"]
 
 
 @dataclass
 class Entry:
     """One parameter's share of a step: the Parameter, its owner (``None`` for a dense
-    gradient), its param group and state, and the rounding seed of this update."""
+    gradient), its param group and state, and the rounding seed of this update.
+
+    ``offset`` is the flat index of the first element the entry holds in the whole parameter
+    (0; a distributed optimizer's row shard starts at ``first_row * row length``), so that its
+    elements get the rounding bits they have in the whole parameter.
+    """
     param: torch.Tensor
     owner: object
     group: dict
     state: dict
     seed: int
+    offset: int = 0
+
+
+@dataclass
+class Partials:
+    """The statistics a rule forms its coefficients from, as sums over a weight's elements.
+
+    ``sums`` maps a name to an ``[M, E]`` FP32 tensor (M parameters of E matrices each; a
+    dense parameter is one ``1 x 1``): always ``nonfinite`` (non-finite values in the sketch
+    or gradient), and what the rule needs, e.g. ``sketch`` (``||C P^T||^2``) and ``weight``
+    (``||W||^2``). On one process they cover the whole weight. A distributed optimizer whose
+    ranks hold rows of a weight sums every entry over those ranks (one collective for all
+    parameters of a step) before the proposal reads them: every sum here must be additive
+    over rows.
+    """
+    sums: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, finite: torch.Tensor, **sums: torch.Tensor) -> Partials:
+        """From a bool ``finite`` ``[M, E]`` and the rule's sums."""
+        return cls({"nonfinite": (~finite).to(torch.float32), **sums})
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.sums[name]
+
+    @property
+    def finite(self) -> torch.Tensor:
+        """``[M, E]`` bool: no non-finite value in the matrix (on any rank)."""
+        return self.sums["nonfinite"] == 0
 
 
 def _refresh_due(refresh, step: int) -> bool:
@@ -96,14 +135,16 @@ _ATTRIBUTE_DEFAULTS = {"step_control": None, "keep_updates": False, "steps_taken
 
 
 class SketchOptimizer(Optimizer):
-    """Base of the rgc optimizers. Subclasses implement ``_propose_lowrank`` and
-    ``_propose_dense`` (return an update or ``None`` for "no change"), and may override
-    ``_refresh`` to carry state into a new projection.
+    """Base of the rgc optimizers. Subclasses implement ``_stack_partials`` and
+    ``_propose_stack`` (sketched weights, grouped by shape), may extend ``_dense_partials``,
+    implement ``_propose_dense`` (return an update or ``None`` for "no change"), and may
+    override ``_refresh_projections`` to carry state into a new projection.
 
     ``step()`` reads nothing on the host unless a step controller is set: the finiteness test
-    of each sketch or gradient is a 0-dim bool tensor ``ok`` handed to the proposal, whose
-    coefficients are 0 on the device where it is false (the weight then stays bit-identical),
-    and ``state[p]['skipped']`` is a 0-dim int64 counter on the parameter's device. Read the
+    of each sketch or gradient is a bool tensor handed to the proposal (``Partials.finite``),
+    whose coefficients are 0 on the device where it is false (the weight then stays
+    bit-identical), and ``state[p]['skipped']`` is a 0-dim int64 counter on the parameter's
+    device. Read the
     counters with :meth:`skipped_updates` (or ``state_dict()``, which stores them as ints).
     With a controller, the active flags of all proposals are read once per step.
 
@@ -203,19 +244,38 @@ class SketchOptimizer(Optimizer):
                 setattr(self, name, hooks)
 
     # -- subclass interface -------------------------------------------------------------
-    def _propose_stack(self, entries: list[Entry], group: dict) -> StackUpdate:
+    def _stack_partials(self, entries: list[Entry], group: dict) -> Partials:
+        """The sums the rule needs of sketched weights of one shape and param group
+        (``[M, E]`` each, over the rows each entry holds; see :class:`Partials`)."""
+        raise NotImplementedError
+
+    def _propose_stack(self, entries: list[Entry], group: dict,
+                       partials: Partials) -> StackUpdate:
         """The updates of sketched weights of one shape and param group, in one record.
 
-        Every entry has a sketch; the proposal decides finiteness on the device and must give
-        coefficients 0 (and ``active`` false) to a matrix with a non-finite sketch, counting
-        the skip with :meth:`_count_skips`.
+        ``partials`` are :meth:`_stack_partials`' sums over the whole weights (the skips of
+        non-finite sketches are already counted); the proposal must give coefficients 0 (and
+        ``active`` false) to a matrix whose sketch is not finite.
         """
         raise NotImplementedError
 
-    def _propose_dense(self, p, group, state, seed, ok) -> DenseUpdate | None:
+    def _dense_partials(self, entry: Entry) -> Partials:
+        """The sums the rule needs of a parameter with a dense ``.grad`` (``1 x 1`` each):
+        here the non-finite count of the gradient; subclasses add theirs."""
+        grad = entry.param.grad
+        return Partials({"nonfinite": (~torch.isfinite(grad)).sum().to(torch.float32)
+                         .reshape(1, 1)})
+
+    def _propose_dense(self, p, group, state, seed, ok,
+                       partials: Partials) -> DenseUpdate | None:
         """The update of a parameter with a dense ``.grad``; ``ok`` (0-dim bool) is false for a
-        non-finite gradient, and the coefficients must then be 0 (and ``active`` false)."""
+        non-finite gradient, and the coefficients must then be 0 (and ``active`` false);
+        ``partials``: :meth:`_dense_partials`' sums over the whole parameter."""
         raise NotImplementedError
+
+    def _sum_partials(self, measured: list[tuple[list[Entry], Partials]]) -> None:
+        """Complete every entry's partial sums in place (one process: they are complete).
+        A distributed optimizer sums its row shards' over the ranks here."""
 
     def _refresh_projections(self, entries: list[Entry]) -> None:
         """Give every entry's owner its next ``P`` (the caller then renews the sketch slots).
@@ -233,7 +293,7 @@ class SketchOptimizer(Optimizer):
         return StackUpdate([e.param for e in entries], [e.owner for e in entries], factors,
                            coefs, decays, [e.seed for e in entries], group["chunk_rows"],
                            group["stochastic_rounding"], active, sq_norms,
-                           extra={"entries": entries})
+                           offsets=[e.offset for e in entries], extra={"entries": entries})
 
     def _init_state(self, p: torch.Tensor, layer) -> dict:
         # Seeds and step counts are Python ints, not tensors: Optimizer.load_state_dict casts
@@ -251,12 +311,6 @@ class SketchOptimizer(Optimizer):
             state["skipped"] = torch.tensor(int(state["skipped"]), dtype=torch.int64,
                                             device=p.device)
         return state
-
-    def _finite(self, state: dict, values: torch.Tensor) -> torch.Tensor:
-        """0-dim bool: all of ``values`` finite; counts a skip in ``state`` otherwise."""
-        ok = torch.isfinite(values).all()
-        state["skipped"] += ~ok
-        return ok
 
     @staticmethod
     def _count_skips(entries: list[Entry], finite: torch.Tensor) -> None:
@@ -310,9 +364,11 @@ class SketchOptimizer(Optimizer):
     def _record_sq_norms(self, update: StackUpdate, entries: list[Entry]) -> None:
         """Keep each weight's ``||W_new||^2`` (views of the update's ``sq_norms``)."""
         for m, e in enumerate(entries):
-            norm = update.sq_norms[m]
-            e.state["weight_sq_norm"] = norm[0] if e.param.dim() == 2 else norm
-            self._norm_versions[e.param] = e.param._version
+            self._record_sq_norm(e, update.sq_norms[m])
+
+    def _record_sq_norm(self, entry: Entry, norm: torch.Tensor) -> None:
+        entry.state["weight_sq_norm"] = norm[0] if entry.param.dim() == 2 else norm
+        self._norm_versions[entry.param] = entry.param._version
 
     # -- the step -----------------------------------------------------------------------
     @torch.no_grad()
@@ -331,23 +387,21 @@ class SketchOptimizer(Optimizer):
         self.last_updates = records
         return loss
 
-    def _gather(self, exclude=None) -> tuple[dict, list[Entry]]:
+    def _gather(self) -> tuple[dict, list[Entry]]:
         """The step's work: sketched entries grouped by (param group, shape, dtypes, device),
-        and the entries with a dense gradient (parameters for which ``exclude(p)`` is true are
-        left out). Counts each parameter's step."""
+        and the entries with a dense gradient. Counts each parameter's step."""
         stacks: dict[tuple, list[Entry]] = {}
         dense: list[Entry] = []
         index = 0
         for g, group in enumerate(self.param_groups):
             for p in group["params"]:
                 index += 1
-                if exclude is not None and exclude(p):
-                    continue
                 owner = sketched_owner_of(p)
                 if owner is not None and owner.sketch is not None:
                     entry = self._entry(p, owner, group, index - 1)
-                    key = (g, owner.num_matrices, owner.out_features, owner.in_features,
-                           owner.rank, p.dtype, owner.projection.dtype, p.device)
+                    o = entry.owner  # the entry's view: all of the weight, or its rows here
+                    key = (g, o.num_matrices, o.out_features, o.in_features, o.rank,
+                           entry.param.dtype, o.projection.dtype, entry.param.device)
                     stacks.setdefault(key, []).append(entry)
                 elif p.grad is not None:
                     dense.append(self._entry(p, None, group, index - 1))
@@ -359,14 +413,26 @@ class SketchOptimizer(Optimizer):
         return Entry(p, owner, group, state, rounding_seed(group["seed"], index, state["step"]))
 
     def _step_entries(self, work: tuple[dict, list[Entry]], control, records) -> None:
-        """Propose, scale, apply and finish the gathered work (refreshes after every update)."""
+        """Measure, propose, scale, apply and finish the gathered work (refreshes after every
+        update)."""
         stacks, dense = work
-        updates: list = [self._propose_stack(entries, entries[0].group)
-                         for entries in stacks.values()]
-        for e in dense:
-            ok = self._finite(e.state, e.param.grad)
-            u = self._propose_dense(e.param, e.group, e.state, e.seed, ok)
+        groups = list(stacks.values())
+        measured = [(entries, self._stack_partials(entries, entries[0].group))
+                    for entries in groups]
+        measured += [([e], self._dense_partials(e)) for e in dense]
+        self._sum_partials(measured)
+        updates: list = []
+        for entries, partials in measured[:len(groups)]:
+            self._count_skips(entries, partials.finite)
+            updates.append(self._propose_stack(entries, entries[0].group, partials))
+        if dense:
+            finite = torch.cat([partials.finite for _, partials in measured[len(groups):]])
+            self._count_skips(dense, finite)
+        for e, (_, partials) in zip(dense, measured[len(groups):], strict=True):
+            u = self._propose_dense(e.param, e.group, e.state, e.seed,
+                                    partials.finite.reshape(()), partials)
             if u is not None:
+                u.offset = e.offset
                 updates.append(u)
         alpha, any_active = 1.0, False
         if control is not None:
@@ -393,7 +459,17 @@ class SketchOptimizer(Optimizer):
         active = [m for m, a in zip(members, to_host(flags), strict=True) if a]
         if not active:
             return 1.0, False
-        return float(control.scale(self, active)), True
+        return float(control.scale(self, self._whole_updates(active))), True
+
+    def _whole_updates(self, updates: list) -> list:
+        """The updates as a step controller sees them: of whole parameters of the model (a
+        distributed optimizer gathers the factors of its row shards here)."""
+        return updates
+
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the processes that train this model together (a step
+        controller's probe statistics); on one process, ``values`` itself."""
+        return values
 
     @staticmethod
     def _kept(update) -> list[tuple]:

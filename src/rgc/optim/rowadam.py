@@ -7,7 +7,7 @@ import math
 import torch
 
 from rgc import ops
-from rgc.optim.base import SketchOptimizer, check_common_args
+from rgc.optim.base import Partials, SketchOptimizer, check_common_args
 from rgc.updates import DenseUpdate, StackUpdate
 
 
@@ -160,11 +160,16 @@ class RowAdam(SketchOptimizer):
         decay = torch.where(ok, decay, 0.0) if wd != 0.0 else None
         return torch.where(ok, lr, 0.0), decay
 
-    def _propose_stack(self, entries, group) -> StackUpdate:
+    def _stack_partials(self, entries, group) -> Partials:
+        owners = [e.owner for e in entries]
+        h2, finite = ops.sketch_stats([o.sketch_matrices() for o in owners],
+                                      [o.projection for o in owners])
+        return Partials.of(finite, sketch=h2)
+
+    def _propose_stack(self, entries, group, partials) -> StackUpdate:
         owners = [e.owner for e in entries]
         sketches = [o.sketch_matrices() for o in owners]
-        h2, finite = ops.sketch_stats(sketches, [o.projection for o in owners])
-        self._count_skips(entries, finite)
+        h2, finite = partials["sketch"], partials.finite
         ok_rows = []
         for e, s in zip(entries, sketches, strict=True):
             sketch = -s if group["maximize"] else s
@@ -184,7 +189,7 @@ class RowAdam(SketchOptimizer):
         coefs, decays = self._coefs(group, active)
         return self._stack_update(entries, group, sketches, coefs, decays, active)
 
-    def _propose_dense(self, p, group, state, seed, ok) -> DenseUpdate:
+    def _propose_dense(self, p, group, state, seed, ok, partials) -> DenseUpdate:
         grad = -p.grad if group["maximize"] else p.grad
         t = (state["step"] - state["skipped"]).to(torch.float64)
         direction = self._moments(state, group, grad, False, ok, t)
