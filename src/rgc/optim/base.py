@@ -512,7 +512,12 @@ class SketchOptimizer(Optimizer):
                                "keep_updates=True): the factors of a step are not kept otherwise")
         if self.last_updates is None:
             raise RuntimeError("export_update() called before the first step()")
-        return build_payload(model, self.last_updates, self.steps_taken)
+        return build_payload(model, self._payload_records(), self.steps_taken)
+
+    def _payload_records(self) -> list[tuple]:
+        """The kept records as :func:`rgc.sync.build_payload` takes them (of whole
+        parameters: a distributed optimizer gathers its row shards' here)."""
+        return self.last_updates
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients and the sketches of compressed weights."""
