@@ -197,6 +197,19 @@ def _first_format(state_dict: dict) -> dict:
     return old
 
 
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_steps_taken_survives_a_checkpoint_of_state_and_groups_only(opt_name):
+    """torch.distributed.checkpoint keeps only 'state' and 'param_groups' of a state dict."""
+    model = make_model(opt_name, "wrapped", torch.float32)
+    opt = make_opt(opt_name, model.parameters())
+    train(model, opt, 3)
+    sd = opt.state_dict()
+    fresh = make_opt(opt_name, make_model(opt_name, "wrapped", torch.float32).parameters())
+    fresh.load_state_dict({"state": sd["state"], "param_groups": sd["param_groups"]})
+    assert fresh.steps_taken == 3
+    assert all("rgc_steps_taken" not in g for g in fresh.param_groups)
+
+
 @pytest.mark.parametrize("with_steps_taken", [True, False])
 @pytest.mark.parametrize("opt_name, kind, dtype", MATRIX, ids=MATRIX_IDS)
 def test_first_state_format_resumes_bit_identically(opt_name, kind, dtype, with_steps_taken):
@@ -206,8 +219,10 @@ def test_first_state_format_resumes_bit_identically(opt_name, kind, dtype, with_
     train(model, opt, 3)
     train(ref_model, ref_opt, 5)
     old = _first_format(opt.state_dict())
-    if not with_steps_taken:
+    if not with_steps_taken:  # as written before the count existed
         del old["rgc_steps_taken"]
+        for group in old["param_groups"]:
+            del group["rgc_steps_taken"]
     buffer = io.BytesIO()
     torch.save(old, buffer)
     buffer.seek(0)
@@ -278,7 +293,7 @@ def test_load_state_dict_pre_hook_result_is_what_is_loaded(opt_name, kind, dtype
     def pre(o, sd):
         changed = copy.deepcopy(sd)
         changed["param_groups"][0]["lr"] = 0.125
-        changed["rgc_steps_taken"] = 40
+        changed["rgc_steps_taken"] = 40  # the top-level count wins over the groups' copies
         for entry in changed["state"].values():
             for key, value in entry.items():
                 if torch.is_tensor(value) and value.is_floating_point():

@@ -543,6 +543,10 @@ class SketchOptimizer(Optimizer):
             state[key] = {**value, "skipped": int(count)}
         sd["state"] = state
         sd["rgc_steps_taken"] = self.steps_taken
+        # torch.distributed.checkpoint keeps only "state" and "param_groups": the count rides
+        # in every group too (copies: the optimizer's own groups do not get the key)
+        sd["param_groups"] = [{**g, "rgc_steps_taken": self.steps_taken}
+                              for g in sd["param_groups"]]
         for hook in held["_optimizer_state_dict_post_hooks"].values():
             result = hook(self, sd)
             if result is not None:
@@ -566,7 +570,11 @@ class SketchOptimizer(Optimizer):
                 if result is not None:
                     state_dict = result
             state_dict = dict(state_dict)
-            steps_taken = int(state_dict.pop("rgc_steps_taken", 0))
+            groups = [dict(g) for g in state_dict["param_groups"]]
+            in_groups = [g.pop("rgc_steps_taken", None) for g in groups]
+            state_dict["param_groups"] = groups
+            steps_taken = int(state_dict.pop("rgc_steps_taken", in_groups[0] if in_groups
+                                             and in_groups[0] is not None else 0))
             saved = state_dict["state"]
             ids = [i for g in state_dict["param_groups"] for i in g["params"]]
             super().load_state_dict(state_dict)
