@@ -259,6 +259,21 @@ def test_fsdp_shards_all_but_the_sketches():
     assert dense8.temporaries == gathered + dense1.temporaries
     with pytest.raises(ValueError, match="FSDP2"):
         estimate_memory(cfg, method="galore", rank=64, fsdp=8)
+
+
+def test_fsdp_shards_rowadam_moments_with_the_rows():
+    """DistributedRowAdam keeps m (d x r FP32) and v (d FP32) for the rows a GPU owns: the
+    state is divided by the GPU count; sketches and projections stay whole."""
+    cfg = CONFIGS / "qwen3-8b.json"
+    one = estimate_memory(cfg, method="rowadam", rank=256)
+    eight = estimate_memory(cfg, method="rowadam", rank=256, fsdp=8)
+    h, i, q, kv, layers = 4096, 12288, 32 * 128, 8 * 128, 36
+    rows = layers * (q + 2 * kv + h + 2 * i + h)  # d of q, k, v, o, gate, up, down
+    assert one.optimizer_state == rows * (256 * 4 + 4)
+    assert eight.optimizer_state == -(-one.optimizer_state // 8)
+    assert (eight.sketch, eight.projections) == (one.sketch, one.projections)
+    assert eight.weights == -(-one.weights // 8)
+    assert eight.total < one.total
     with pytest.raises(ValueError, match="GPU count"):
         estimate_memory(cfg, method="rgc", rank=64, fsdp=0)
 

@@ -32,6 +32,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rgc.updates import DenseUpdate, LowRankUpdate, is_zero
 
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # torch without FSDP2
+    FSDPModule = None
+
 SCHEDULES = ("linear", "cosine")
 FORWARD_AD_ATTENTION = ("eager", "sdpa")
 
@@ -47,10 +52,25 @@ def default_logits(output) -> torch.Tensor:
 
 def _forward(model: nn.Module, inputs, params: dict | None = None):
     args, kwargs = ((), inputs) if isinstance(inputs, dict) else ((inputs,), {})
-    with sdpa_kernel([SDPBackend.MATH]):
-        if params:
-            return torch.func.functional_call(model, params, args, kwargs)
-        return model(*args, **kwargs)
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            if params:
+                return torch.func.functional_call(model, params, args, kwargs)
+            return model(*args, **kwargs)
+    finally:
+        _reshard(model)
+
+
+def _reshard(model: nn.Module) -> None:
+    """Free the weights FSDP2 gathered for a probe forward. A module with
+    ``reshard_after_forward=False`` keeps them after a forward that no backward follows, and
+    its next forward would reuse them: after the probe they are stale, the optimizer having
+    written the shards since."""
+    if FSDPModule is None:
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _check_attention(model: nn.Module) -> None:

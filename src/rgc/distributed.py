@@ -703,8 +703,8 @@ class DistributedStep:
     def _gathered(self, items: list[tuple[torch.Tensor, ShardEntry]], *,
                   export: bool = False) -> list[torch.Tensor]:
         """The whole FP32 tensors of row shards' local values (``rows x ...`` each)."""
-        local = [(t.detach().reshape(t.shape[0], -1).to(torch.float32), e.whole.shape[0])
-                 for t, e in items]
+        local = [(t.detach().reshape(t.shape[0], math.prod(t.shape[1:])).to(torch.float32),
+                  e.whole.shape[0]) for t, e in items]
         if not _is_active(self._mesh_group):
             whole = [t for t, _ in local]
         else:
