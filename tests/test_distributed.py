@@ -121,6 +121,9 @@ def make_optimizer(rule: str, params, *, distributed: bool, kl: bool, **kwargs):
 
 def _entry(fn, rank, world, out_dir, args):
     torch.set_num_threads(1)
+    # Eager CPU rounding and Gaussians (the same bits as the compiled loop, which every fresh
+    # process would otherwise spend ~15 s compiling): the reference, compiled, runs here
+    torch._dynamo.config.disable = True
     try:
         dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank,
                                 world_size=world)
@@ -263,8 +266,10 @@ def _matrix_worker(rank: int, world: int, out: Path) -> None:
         records["reshard"] = _train(rank, world, ("rowadam", "fsdp", True), reshard=True)
         records["tiny_buckets"] = _train(rank, world, ("rgc", "dp", True), bucket_mb=1e-4)
         records["experts"] = {rule: _train_experts(rank, world, rule)
-                              for rule in ("rgc", "rowadam")}
+                              for rule in ("rgc", "rowadam", "rowadam-fsdp")}
         records["refusals"] = _refusals(rank, world)
+        records["largest"] = _largest_tensor(rank, world)
+        records["sketch"] = _whole_batch_sketch(rank, world)
         _dcp_save(rank, world, out)
     torch.save(records, out / f"matrix{rank}.pt")
 
@@ -286,10 +291,17 @@ def _expert_loss(model, step: int, rank: int = 0, world: int = 1) -> torch.Tenso
 
 
 def _train_experts(rank: int, world: int, rule: str) -> dict:
-    """Data parallel over a mixture-of-experts model: its [E, d, k] stacks are all-reduced."""
+    """Data parallel over a mixture-of-experts model: its [E, d, k] stacks are all-reduced.
+    ``rowadam-fsdp``: FSDP2 shards the attention projections by rows and keeps the expert
+    stacks whole (``ignored_params``): the same optimizer reduce-scatters the former and
+    all-reduces the latter."""
     model = _experts_model()
+    if rule.endswith("-fsdp"):
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, ignored_params={p for p in model.parameters() if p.dim() == 3})
     cls = DistributedRGCOptimizer if rule == "rgc" else DistributedRowAdam
-    opt = cls(model.parameters(), lr=LR[rule], seed=5, keep_updates=True)
+    opt = cls(model.parameters(), lr=LR[rule.removesuffix("-fsdp")], seed=5, keep_updates=True)
     record = {"pre": [], "post": [], "payloads": []}
     for step in range(STEPS):
         record["pre"].append(full_state(model))
@@ -480,10 +492,13 @@ def assert_matches_single_process(scenario, world: int, records: list[dict]) -> 
                 moved = (ref[k] - pre[k]).abs().max()
                 torch.testing.assert_close(got[k], ref[k], rtol=0, atol=float(moved) * 1e-4)
     if history is not None:
+        # kappa and alpha follow the factors' FP32 bits (about 1e-7 relative on 4 processes);
+        # the realised KL, of order 1e-6 from logits that differ by the step, amplifies them
         for mine, theirs in zip(records[0]["history"], history, strict=True):
             assert mine["budget"] == theirs["budget"]
-            assert mine["alpha"] == pytest.approx(theirs["alpha"], rel=1e-12)
-            assert mine["realised_kl"] == pytest.approx(theirs["realised_kl"], rel=1e-6)
+            assert mine["kappa"] == pytest.approx(theirs["kappa"], rel=1e-6)
+            assert mine["alpha"] == pytest.approx(theirs["alpha"], rel=1e-6)
+            assert mine["realised_kl"] == pytest.approx(theirs["realised_kl"], rel=1e-4)
             # the quadratic prediction holds for these small steps
             assert 0.5 < mine["realised_kl"] / mine["predicted_kl"] < 2
         assert min(h["alpha"] for h in history) < 1.0, "the controller never scaled a step"
@@ -599,14 +614,16 @@ def test_host_reads_per_step_are_constant(runs, world):
                                                            strict=True) for k in a)
 
 
-@pytest.mark.parametrize("rule", ["rgc", "rowadam"])
+@pytest.mark.parametrize("rule", ["rgc", "rowadam", "rowadam-fsdp"])
 def test_expert_stacks_under_data_parallel(runs, rule):
     """[E, d, k] expert weights: the averaged E x d x r sketches give every rank the single
-    process's update on the whole batch, bit for bit on 2 processes; a receiver follows."""
+    process's update on the whole batch, bit for bit on 2 processes, also beside FSDP2 row
+    shards of the other projections; a receiver follows."""
     records = [r["experts"][rule] for r in runs[2]]
     model = _experts_model()
-    opt = (rgc.RGCOptimizer if rule == "rgc" else rgc.RowAdam)(model.parameters(),
-                                                               lr=LR[rule], seed=5)
+    name = rule.removesuffix("-fsdp")
+    opt = (rgc.RGCOptimizer if name == "rgc" else rgc.RowAdam)(model.parameters(),
+                                                               lr=LR[name], seed=5)
     receiver = _experts_model()
     stacks = [n for n, p in model.named_parameters() if p.dim() == 3]
     assert stacks
@@ -651,17 +668,8 @@ def test_mismatched_seeds_ddp_and_sharded_experts_are_refused(runs):
         assert "step_control" in messages[6] and "freeze_others" in messages[6]
 
 
-def test_fsdp2_never_holds_a_dense_gradient_or_update(tmp_path):
-    """Backward and step on 2 processes, with reshard_after_forward=False (FSDP then gathers no
-    compressed weight in backward, so any tensor of d x k elements would be a gradient or an
-    update), for both rules."""
-    spawn(_memory_worker, tmp_path, 2)
-    for r in range(2):
-        largest = torch.load(tmp_path / f"largest{r}.pt")
-        assert 0 < largest < min(d * k for d, k in SHAPES.values() if d > 3), largest
-
-
-def _memory_worker(rank: int, world: int, out: Path) -> None:
+def _largest_tensor(rank: int, world: int) -> int:
+    """Elements of the largest tensor created in backward and step under FSDP2 (both rules)."""
     largest = 0
     for rule in ("rgc", "rowadam"):
         net = _shard(build(head=False))
@@ -675,13 +683,29 @@ def _memory_worker(rank: int, world: int, out: Path) -> None:
             opt.zero_grad()
             largest = max([largest] + [math.prod(a.shape) for a in
                                        in_backward.allocations + in_step.allocations])
-    torch.save(largest, out / f"largest{rank}.pt")
+    return largest
 
 
-def test_data_parallel_sketch_is_the_whole_batch_sketch(tmp_path):
+def test_fsdp2_never_holds_a_dense_gradient_or_update(runs):
+    """Backward and step, with reshard_after_forward=False (FSDP then gathers no compressed
+    weight in backward, so any tensor of d x k elements would be a gradient or an update)."""
+    for rank_record in runs[2]:
+        largest = rank_record["largest"]
+        assert 0 < largest < min(d * k for d, k in SHAPES.values() if d > 3), largest
+
+
+def _whole_batch_sketch(rank: int, world: int) -> dict:
+    net = build()
+    pre = full_state(net)
+    loss_on(net, 0, rank, world).backward()
+    sent = all_reduce_sketches(net)
+    return {"pre": pre, "sketch": net.up_proj.sketch.clone(), "sent": sent,
+            "projection": net.up_proj.projection.clone()}
+
+
+def test_data_parallel_sketch_is_the_whole_batch_sketch(runs):
     """After all_reduce_sketches: C = G P, G the float64 gradient of the whole-batch loss."""
-    spawn(_sketch_worker, tmp_path, 2)
-    record = torch.load(tmp_path / "sketch0.pt")
+    record = runs[2][0]["sketch"]
     pre = {k: v.double() for k, v in record["pre"].items()}
     x, y = batch(0)
     w_up = pre["up_proj.weight"].clone().requires_grad_(True)
@@ -694,16 +718,6 @@ def test_data_parallel_sketch_is_the_whole_batch_sketch(tmp_path):
     err = (record["sketch"].double() - expected).norm() / expected.norm()
     assert err < 3e-2, float(err)
     assert record["sent"] == 4 * (5 + sum(d * RANK for d, _ in SHAPES.values()) + 19 * 5 + 5)
-
-
-def _sketch_worker(rank: int, world: int, out: Path) -> None:
-    net = build()
-    pre = full_state(net)
-    loss_on(net, 0, rank, world).backward()
-    sent = all_reduce_sketches(net)
-    if rank == 0:
-        torch.save({"pre": pre, "sketch": net.up_proj.sketch.clone(), "sent": sent,
-                    "projection": net.up_proj.projection.clone()}, out / "sketch0.pt")
 
 
 # ---------------------------------------------------------------- single process
@@ -782,7 +796,7 @@ def test_example_runs_under_torchrun(tmp_path, recipe):
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",  # see _entry
                PYTHONPATH=os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]))
     args = (["--recipe", "logra", "--checkpoint", str(tmp_path / "ckpt")] if recipe
             else ["--recipe", "rgc"])
