@@ -1,8 +1,8 @@
 """Bytes moved and kernels launched per RGC optimizer step on a GPU, phase by phase.
 
-A model, not a measurement: for a model config.json and a rank r it counts, for every
-compressed linear layer (the projections of each decoder layer), the HBM bytes and kernel
-launches of each phase of ``RGCOptimizer.step()`` as the library runs it on a GPU, and the time
+Bytes are a model, launches a count: for a model config.json and a rank r it models, for every
+compressed linear layer (the projections of each decoder layer), the HBM bytes of each phase of
+``RGCOptimizer.step()`` as the library runs it on a GPU, and the time
 they imply at a given memory bandwidth (H100 3.35 TB/s, H200 4.8 TB/s), beside the physical
 floor (read and write each BF16 weight once) and a fused AdamW step on the same weights.
 
@@ -11,7 +11,12 @@ floor (read and write each BF16 weight once) and a fused AdamW step on the same 
 
 All formulas are in :func:`layer_phases`. Byte counts assume every operand is read from HBM
 once per phase (re-reads of C and P by the update kernel's tiles hit L2 and are given
-separately as ``l2_bytes``); launches are per layer and assume no CUDA graph.
+separately as ``l2_bytes``). The step's launches do not depend on the layer sizes or count,
+only on how the layers group (distinct (d, k) shapes; distinct k for the projection refresh):
+:func:`counted_launches` counts them on a copy of the model with every dimension scaled down
+and two decoder layers, its Triton kernels run by Triton's interpreter and every torch op that
+would be a CUDA kernel counted (``tests/launches.py``), i.e. what ``opt.step()`` launches
+without CUDA graphs.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +41,7 @@ BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # bytes/s (SXM, HBM3 / HBM3e)
 BF16_TENSOR_FLOPS = 989e12  # dense BF16 tensor-core peak, H100 and H200 SXM
 FP32_FLOPS = 67e12  # FP32 without tensor cores, H100 and H200 SXM
 LAUNCH_US = 3.0  # a typical kernel launch gap without CUDA graphs
+ROOT = Path(__file__).resolve().parents[1]
 
 # The update kernel's tile (rgc.ops.triton.UPDATE_TILE) and BF16 products per r-block:
 # C split in three BF16 parts times P0 (BF16 P), or six products for an FP32 P.
@@ -77,14 +85,61 @@ def layer_phases(d: int, k: int, r: int, *, w_bytes: int = 2, p_bytes: int = 2) 
     # Every tile reads its BLOCK_M rows of C and BLOCK_N rows of P.
     l2 = tiles * (TILE_M * 4 + TILE_N * p_bytes) * r - c_bytes - p_total
     return [
-        Phase("norm of H (r x r Grams)", c_bytes + p_total, 3, flops=2.0 * r * r * (d + k)),
-        Phase("update (fused)", 2 * w_bytes * d * k + c_bytes + p_total + 2 * 4 * tiles, 2,
+        Phase("norm of H (r x r Grams)", c_bytes + p_total, 0, flops=2.0 * r * r * (d + k)),
+        Phase("update (fused)", 2 * w_bytes * d * k + c_bytes + p_total + 2 * 4 * tiles, 0,
               flops=2.0 * d * k * r * UPDATE_DOTS[p_bytes], tensor_cores=True, l2_bytes=l2),
-        Phase("sketch zero", c_bytes, 1),
-        Phase("P refresh (CholeskyQR)", 5 * g + p_total + (0 if p_bytes == 2 else 4 * g),
-              7 if p_bytes == 2 else 9,
+        Phase("sketch zero", c_bytes, 0),
+        Phase("P refresh (CholeskyQR)", 5 * g + p_total + (0 if p_bytes == 2 else 4 * g), 0,
               flops=2 * (2.0 * k * r * r) + 4 * r**3 / 3),
     ]
+
+
+def scaled_shapes(config: dict, r: int) -> tuple[list[tuple[str, int, int]], int]:
+    """One decoder layer's shapes with every dimension divided by the same factor (so equal
+    dimensions stay equal and different ones different), and a rank that keeps each layer on
+    the same side of ``k >= 4 r`` (which selects the CholeskyQR variant)."""
+    shapes = linear_shapes(config)
+    dims = sorted({x for _, d, k in shapes for x in (d, k)})
+    scale = max(1, min(dims) // 8)
+    while len({x // scale for x in dims}) < len(dims):
+        scale //= 2
+    small = [(n, d // scale, k // scale) for n, d, k in shapes]
+    rank = max(1, r // scale)
+    for (_, _, k), (_, _, ks) in zip(shapes, small, strict=True):
+        if (k >= 4 * r) != (ks >= 4 * rank):
+            raise ValueError(f"cannot scale {shapes} at rank {r} keeping the CholeskyQR variant")
+    return small, rank
+
+
+def counted_launches(config: dict, r: int) -> int:
+    """Kernel launches of one ``RGCOptimizer.step()`` on the config's projections (BF16),
+    counted on a scaled copy (see the module docstring) in a subprocess running the Triton
+    kernels in Triton's interpreter."""
+    shapes, rank = scaled_shapes(config, r)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "RGC_IMPL": "triton",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT),
+                                          os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", _COUNT_SCRIPT, json.dumps(shapes), str(rank)],
+                         env=env, capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+_COUNT_SCRIPT = """
+import json, sys
+import torch
+import rgc
+from tests.launches import CountLaunches
+shapes, rank = json.loads(sys.argv[1]), int(sys.argv[2])
+layers = [rgc.CompressedLinear(k, d, bias=False, rank=rank, seed=n, dtype=torch.bfloat16)
+          for n, (_, d, k) in enumerate(shapes * 2)]
+opt = rgc.RGCOptimizer([layer.weight for layer in layers], lr=1e-3)
+for step in range(2):  # the second step: the cached ||W||^2 (the steady state)
+    for layer in layers:
+        layer(torch.randn(3, layer.in_features, dtype=torch.bfloat16)).float().sum().backward()
+    with CountLaunches() as count:
+        opt.step()
+print(count.total)
+"""
 
 
 def adamw_bytes(d: int, k: int, *, w_bytes: int = 2) -> float:
@@ -119,25 +174,25 @@ def step_rows(name: str, config: dict, r: int) -> list[dict]:
     rows = []
 
     def row(label, nbytes, launches, times, flops=0.0, l2=0.0):
-        rows.append(dict(config=name, r=r, phase=label, GB=nbytes / 1e9, launches=launches,
+        rows.append(dict(config=name, r=r, phase=label, GB=nbytes / 1e9,
+                         launches=launches if launches is not None else "",
                          GFLOP=flops / 1e9, L2_GB=l2 / 1e9,
                          **{f"{gpu}_ms": t * 1e3 for gpu, t in times.items()},
-                         launch_ms=launches * LAUNCH_US / 1e3))
+                         launch_ms=(launches or 0) * LAUNCH_US / 1e3))
 
     all_phases = [p for phases in totals.values() for p in phases]
     for label, phases in totals.items():
-        row(label, sum(p.bytes for p in phases), sum(p.launches for p in phases),
+        row(label, sum(p.bytes for p in phases), None,
             {gpu: sum(_time(p, bw) for p in phases) for gpu, bw in BANDWIDTH.items()},
             sum(p.flops for p in phases), sum(p.l2_bytes for p in phases))
-    row("total RGC step", sum(p.bytes for p in all_phases),
-        sum(p.launches for p in all_phases),
+    row("total RGC step", sum(p.bytes for p in all_phases), counted_launches(config, r),
         {gpu: sum(_time(p, bw) for p in all_phases) for gpu, bw in BANDWIDTH.items()},
         sum(p.flops for p in all_phases), sum(p.l2_bytes for p in all_phases))
     floor = sum(4 * d * k for _, d, k in shapes)
-    row("floor (read + write BF16 W once)", floor, 0,
+    row("floor (read + write BF16 W once)", floor, None,
         {gpu: floor / bw for gpu, bw in BANDWIDTH.items()})
     adamw = sum(adamw_bytes(d, k) for _, d, k in shapes)
-    row("AdamW fused (BF16 states), same weights", adamw, 0,
+    row("AdamW fused (BF16 states), same weights", adamw, None,
         {gpu: adamw / bw for gpu, bw in BANDWIDTH.items()})
     return rows
 
@@ -161,11 +216,14 @@ def main(argv=None) -> list[dict]:
         f"({', '.join(f'{g} {bw / 1e12:.2f} TB/s' for g, bw in BANDWIDTH.items())}) and "
         f"flops / peak (BF16 tensor cores {BF16_TENSOR_FLOPS / 1e12:.0f} TFLOP/s for the "
         f"update's split products, FP32 {FP32_FLOPS / 1e12:.0f} TFLOP/s for the Grams, "
-        f"solves and Cholesky). launch_ms: launches x {LAUNCH_US:g} us, the cost of launching "
-        "them one by one without CUDA graphs (overlaps the others when the GPU is busy). "
-        "L2_GB: re-reads of C and P by the update kernel's 64 x 64 tiles, served by L2. "
-        "Floor and AdamW rows: launches not modelled (0). "
-        "Formulas: benchmarks/step_model.py, layer_phases().")
+        f"solves and Cholesky). launches: of the whole step, counted (not modelled) on a "
+        "scaled copy of the layers with the same grouping, Triton kernels in the interpreter "
+        "plus the torch ops that would be CUDA kernels (the step's launches depend on the "
+        "number of distinct shapes, not on the sizes or the number of layers); launch_ms: "
+        f"launches x {LAUNCH_US:g} us, the cost of launching them one by one without CUDA "
+        "graphs (overlaps the others when the GPU is busy). L2_GB: re-reads of C and P by the "
+        "update kernel's 64 x 64 tiles, served by L2. Formulas: benchmarks/step_model.py, "
+        "layer_phases(); counting: counted_launches().")
     write_results("step_model", rows, title="RGC step on a GPU: bytes, launches, time by phase",
                   notes=notes, directory=args.out)
     return rows

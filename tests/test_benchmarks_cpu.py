@@ -30,8 +30,10 @@ def test_step_model_counts():
     assert rows["floor (read + write BF16 W once)"]["GB"] == pytest.approx(
         4 * 28 * per_layer / 1e9)
     assert rows["update (fused)"]["GB"] > rows["floor (read + write BF16 W once)"]["GB"]
-    phases = [p for p in rows if p not in ("total RGC step", "floor (read + write BF16 W once)")
-              and not p.startswith("AdamW")]
-    assert len(phases) == 4 and all(rows[p]["launches"] > 0 for p in phases)
-    assert rows["total RGC step"]["launches"] == sum(rows[p]["launches"] for p in phases)
-    assert rows["update (fused)"]["launches"] == 2 * 7 * 28  # update + sum of partials
+    total = rows["total RGC step"]
+    assert total["GB"] == pytest.approx(sum(
+        row["GB"] for p, row in rows.items() if p not in ("total RGC step", "floor (read + "
+                                                          "write BF16 W once)")
+        and not p.startswith("AdamW")))
+    # counted on a scaled copy of the layers: a few launches per distinct shape, not per layer
+    assert 0 < total["launches"] < 100

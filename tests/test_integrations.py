@@ -145,6 +145,19 @@ def test_plain_trainer_default_optimizer_refused_and_optimizers_argument(tmp_pat
     for n, p in model.named_parameters():
         assert torch.equal(p, weights[n]), n
 
+    # a plain Trainer given an rgc optimizer: it would log grad_norm 0.0; one warning says so
+    for _, layer in rgc.compressed_layers(model):
+        layer.zero_sketch()
+    plain_args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2,
+                                                per_device_train_batch_size=4, report_to="none",
+                                                use_cpu=True, save_strategy="no")
+    plain = transformers.Trainer(model=model, args=plain_args,
+                                 optimizers=(rgc.RowAdam(model.parameters(), lr=1e-3), None),
+                                 train_dataset=example.counting_data(8, 0))
+    with pytest.warns(UserWarning, match="logs grad_norm = 0.0 and clips nothing") as caught:
+        plain.train()
+    assert sum("grad_norm = 0.0" in str(w.message) for w in caught) == 1
+
     # the optimizers= path of the rgc subclass: grad_norm is logged from the sketches
     for _, layer in rgc.compressed_layers(model):
         layer.zero_sketch()
@@ -155,7 +168,9 @@ def test_plain_trainer_default_optimizer_refused_and_optimizers_argument(tmp_pat
     opt = rgc.RowAdam(model.parameters(), lr=1e-3)
     trainer = with_rgc(transformers.Trainer)(model=model, args=args, optimizers=(opt, None),
                                              train_dataset=example.counting_data(8, 0))
-    trainer.train()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*grad_norm = 0.0.*")
+        trainer.train()
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     assert len(norms) == 2 and all(n > 1e-3 for n in norms)
     assert trainer.optimizer.optimizer is opt and opt.steps_taken == 2

@@ -283,6 +283,24 @@ def test_step_and_state_dict_hooks(opt_name, kind, dtype):
     assert sd["extra"] == 1 and sd["rgc_steps_taken"] == 2
 
 
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_state_dict_pre_hook_may_store_a_non_dict_entry(opt_name):
+    """As torch.optim's own test does: a pre hook writes a plain value into ``opt.state``;
+    state_dict() keeps it, and the skip counters are still read."""
+    model = make_model(opt_name, "wrapped", torch.float32)
+    opt = make_opt(opt_name, model.parameters())
+    train(model, opt, 1)
+
+    def pre(o):
+        o.state["test"] = 1
+
+    opt.register_state_dict_pre_hook(pre)
+    sd = opt.state_dict()
+    assert sd["state"]["test"] == 1
+    assert all(isinstance(v["skipped"], int) for k, v in sd["state"].items() if k != "test")
+    assert opt.skipped_updates() == 0
+
+
 @pytest.mark.parametrize("opt_name, kind, dtype", MATRIX, ids=MATRIX_IDS)
 def test_load_state_dict_pre_hook_result_is_what_is_loaded(opt_name, kind, dtype):
     model = make_model(opt_name, kind, dtype)

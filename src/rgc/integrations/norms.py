@@ -76,7 +76,9 @@ def grad_norm(optimizer) -> torch.Tensor:
     temporary), for any other parameter ``||grad||``; 0 when nothing is pending. Under data
     parallel it is this rank's (the sketches are reduced inside ``step()``).
     """
-    squares = [_square_norm(t, layer) for t, layer in _pending(unwrap_optimizer(optimizer))]
+    opt = unwrap_optimizer(optimizer)
+    opt.sketch_norm_read = True  # the trainer-loop warning of SketchOptimizer.step is not due
+    squares = [_square_norm(t, layer) for t, layer in _pending(opt)]
     if not squares:
         return torch.zeros((), dtype=torch.float32)
     device = squares[0].device

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -131,7 +132,20 @@ INT_STATE_KEYS = ("step", "skipped", "layer_seed", "projection_version")
 
 #: Attributes an optimizer pickled before they existed gets on unpickling.
 _ATTRIBUTE_DEFAULTS = {"step_control": None, "keep_updates": False, "steps_taken": 0,
-                       "last_updates": None, "_warned_nonfinite": False}
+                       "last_updates": None, "_warned_nonfinite": False,
+                       "sketch_norm_read": False}
+
+#: Packages whose training loops clip and log the norm of ``.grad`` (0 for a sketched weight).
+_GRAD_NORM_LOOPS = ("transformers.", "accelerate.", "trl.")
+
+
+def _called_from_grad_norm_loop() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith(_GRAD_NORM_LOOPS):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class SketchOptimizer(Optimizer):
@@ -184,6 +198,8 @@ class SketchOptimizer(Optimizer):
         # (update, fingerprint of the tensor before it, projection seed used) per parameter
         self.last_updates: list[tuple] | None = None
         self._warned_nonfinite = False
+        # set by rgc.integrations.grad_norm / clip_grad_norm_ (the norms of the sketches)
+        self.sketch_norm_read = False
         # p -> p._version when state[p]['weight_sq_norm'] was last made from p's stored values
         self._norm_versions: dict[torch.Tensor, int] = {}
 
@@ -325,7 +341,8 @@ class SketchOptimizer(Optimizer):
         Reads the device counters (one copy per device); ``int(state[p]['skipped'])`` gives
         one parameter's count. Warns once when the count is first seen non-zero.
         """
-        counts = to_host([s["skipped"] for s in self.state.values() if "skipped" in s])
+        counts = to_host([s["skipped"] for s in self.state.values()
+                          if isinstance(s, dict) and "skipped" in s])
         total = sum(int(c) for c in counts)
         self._warn_skipped(total)
         return total
@@ -382,10 +399,27 @@ class SketchOptimizer(Optimizer):
         if control is not None and hasattr(control, "check_ready"):
             control.check_ready()  # raise before any state or weight changes
         records = [] if self.keep_updates else None
-        self._step_entries(self._gather(), control, records)
+        work = self._gather()
+        if self.steps_taken == 0 and work[0]:
+            self._warn_unread_norm()
+        self._step_entries(work, control, records)
         self.steps_taken += 1
         self.last_updates = records
         return loss
+
+    def _warn_unread_norm(self) -> None:
+        """Once, at the first step with sketches, when a transformers / accelerate / TRL loop
+        drives this optimizer without reading the sketches' norm: its ``clip_grad_norm_`` of
+        ``model.parameters()`` sees no gradient on a sketched weight, so it logs
+        ``grad_norm = 0.0`` and clips nothing."""
+        if not self.sketch_norm_read and _called_from_grad_norm_loop():
+            warnings.warn(
+                f"{type(self).__name__} is driven by a transformers/accelerate training loop "
+                "whose gradient clipping reads .grad, which sketched weights do not have: it "
+                "logs grad_norm = 0.0 and clips nothing. Build the trainer with "
+                "rgc.integrations.with_rgc(TrainerClass)(...), or clip with "
+                "rgc.integrations.clip_grad_norm_(optimizer, max_norm)", UserWarning,
+                stacklevel=3)
 
     def _gather(self) -> tuple[dict, list[Entry]]:
         """The step's work: sketched entries grouped by (param group, shape, dtypes, device),
@@ -535,7 +569,9 @@ class SketchOptimizer(Optimizer):
         so a resumed run uses the same bits."""
         with self._hooks_held("_optimizer_state_dict_post_hooks") as held:
             sd = super().state_dict()
-        entries = [(k, v) for k, v in sd["state"].items() if "skipped" in v]
+        # entries a hook added under other keys may be anything (torch.optim keeps them as is)
+        entries = [(k, v) for k, v in sd["state"].items()
+                   if isinstance(v, dict) and "skipped" in v]
         counts = to_host([v["skipped"] for _, v in entries])
         self._warn_skipped(sum(int(c) for c in counts))
         state = dict(sd["state"])

@@ -78,8 +78,9 @@ class RGCOptimizer(SketchOptimizer):
     Args:
         params: iterable of parameters or param groups (as torch.optim).
         lr: ``tau``, the relative step ``||dW|| / ||W||``; see :func:`rgc.calibrate_lr`. A float
-            or a 0-dim tensor (read with ``float()`` at each step, so a scheduler may fill it in
-            place). Default 1e-3, torch.optim's default, for param groups that set their own.
+            or a 0-dim tensor (used on the device, never read on the host, so a scheduler may
+            fill it in place). Default 1e-3, torch.optim's default, for param groups that set
+            their own.
         chunk_rows: rows of H rebuilt at once on the reference path (memory: chunk_rows x k FP32).
         stochastic_rounding: round BF16 weights stochastically (default) or to nearest.
         seed: key of the rounding bits.
@@ -87,11 +88,14 @@ class RGCOptimizer(SketchOptimizer):
         keep_updates: keep the last step's factors for :meth:`export_update` (policy sync).
         maximize: step along ``+H`` (ascend the objective) instead of ``-H``.
         expert_norm: the normalisation of a stack of experts (a 3-D expert weight):
-            ``'stack'`` (default) takes ``||W||`` and ``||H||`` of the whole stack, one
-            coefficient for all its experts, as normalised SGD on the tensor; ``'expert'``
-            normalises every expert by its own norms, which gives an expert that saw one token
-            a full step. An expert that received no token (``C_e = 0``) is not updated under
-            either rule: its bits are kept.
+            ``'expert'`` (default) normalises every expert by its own norms, so every expert
+            that received tokens moves by ``lr`` relative to its own size; ``'stack'`` takes
+            ``||W||`` and ``||H||`` of the whole stack, one coefficient for all its experts
+            (normalised SGD on the tensor: a busy expert moves more than a rarely routed one).
+            Measured on a tiny Qwen3-MoE at equal ``lr`` (``benchmarks/moe_expert_norm.py``):
+            'expert' reached a lower held-out loss in 6 of 6 runs (3 seeds x 2 batch sizes,
+            by 0.0003 to 0.017 nats). An expert that received no token (``C_e = 0``) is not
+            updated under either rule: its bits are kept.
 
     **Dtypes.** Weights of compressed layers are BF16 or FP32. Any other real parameter is
     updated with FP32 arithmetic: an FP64 parameter receives an FP32-computed value each step
@@ -105,7 +109,7 @@ class RGCOptimizer(SketchOptimizer):
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, *, chunk_rows: int = 128,
                  stochastic_rounding: bool = True, seed: int = 0, step_control=None,
                  keep_updates: bool = False, maximize: bool = False,
-                 expert_norm: str = "stack"):
+                 expert_norm: str = "expert"):
         check_common_args(lr, chunk_rows, seed)
         check_expert_norm(expert_norm)
         defaults = dict(lr=lr, chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding,
@@ -114,7 +118,7 @@ class RGCOptimizer(SketchOptimizer):
 
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)
-        check_expert_norm(group.setdefault("expert_norm", "stack"))
+        check_expert_norm(group.setdefault("expert_norm", "expert"))
 
     def _stack_partials(self, entries, group) -> Partials:
         owners = [e.owner for e in entries]
@@ -127,7 +131,7 @@ class RGCOptimizer(SketchOptimizer):
         sketches = [e.owner.sketch_matrices() for e in entries]
         h2, finite, w2 = partials["sketch"], partials.finite, partials["weight"]
         lr = group_lr(group, h2.device)
-        if h2.shape[1] > 1 and group.get("expert_norm", "stack") == "stack":
+        if h2.shape[1] > 1 and group.get("expert_norm", "expert") == "stack":
             # one coefficient per stack, from the norms of the whole stack (finite experts)
             coef, _ = normalized_coef(w2.sum(1, keepdim=True),
                                       torch.where(finite, h2, 0.0).sum(1, keepdim=True), lr,
