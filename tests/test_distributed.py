@@ -750,21 +750,28 @@ def test_bad_arguments():
 
 
 def test_a_zero_dense_gradient_on_a_sketched_weight_is_a_zero_sketch_and_others_raise():
-    """torch.distributed.checkpoint builds its load template with zero .grad on every trainable
-    parameter: a sketched weight then takes a zero sketch (RowAdam's moments get their sketch
-    shape). A non-zero dense gradient there is refused, before any change."""
+    """torch.distributed.checkpoint builds its load template with a step on zero .grad of every
+    trainable parameter and lr = 0: a sketched weight then takes a zero sketch (RowAdam's
+    moments get their sketch shape) and no parameter changes. A non-zero dense gradient there
+    is refused, before any change."""
     net = build()
     opt, _ = make_optimizer("rowadam", net.parameters(), distributed=True, kl=False)
     for p in net.parameters():
         p.grad = torch.zeros_like(p)
+    for group in opt.param_groups:  # as torch.distributed.checkpoint's template step does
+        group["lr"] = 0.0
     before = full_state(net)
     opt.step()
     assert tuple(opt.state[net.up_proj.weight]["exp_avg"].shape) == (37, RANK)
     assert net.up_proj.weight.grad is None
-    assert torch.equal(full_state(net)["up_proj.weight"], before["up_proj.weight"])
+    assert all(torch.equal(v, before[k]) for k, v in full_state(net).items())
+    for group in opt.param_groups:
+        group["lr"] = LR["rowadam"]
+    opt.zero_grad()
     net.up_proj.weight.grad = torch.ones_like(net.up_proj.weight)
     with pytest.raises(RuntimeError, match="non-zero dense .grad"):
         opt.step()
+    assert all(torch.equal(v, before[k]) for k, v in full_state(net).items())
 
 
 @settings(max_examples=10)

@@ -71,7 +71,10 @@ def _compiled(fn):
 
     Under a dispatch mode (rgc's memory tracker, the tests' counters), which torch.compile
     does not trace, ``fn`` runs eagerly with the modes switched off: as the compiled loop, it
-    is then one opaque computation that writes its output and allocates nothing seen.
+    is then one opaque computation that writes its output and allocates nothing seen. With
+    dynamo disabled (``TORCHDYNAMO_DISABLE=1``) ``fn`` runs eagerly too: the compiled wrapper
+    would run it eagerly and only then raise (fullgraph found no frame), and as ``fn`` writes
+    in place (the rounding overwrites its input) a second, fallback run would round twice.
     """
     # One thread: the loop is short (a chunk of 128 rows), and an OpenMP pool of its own beside
     # torch's made the next LAPACK call wait ~10 ms for the other pool's spinning threads.
@@ -82,7 +85,7 @@ def _compiled(fn):
         if _python_dispatch._get_current_dispatch_mode() is not None:
             with _python_dispatch._disable_current_modes():
                 return fn(*args)
-        if compiled is not fn:
+        if compiled is not fn and not torch._dynamo.config.disable:
             try:
                 return compiled(*args)
             except Exception as exc:  # no C++ compiler, unsupported platform
