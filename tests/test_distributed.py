@@ -257,7 +257,18 @@ def _train(rank: int, world: int, scenario, *, reshard: bool = False,
             record["payloads"].append(payload)
         record["post"].append(full_state(net))
     record["history"] = ctl.history if ctl is not None else None
+    if rule == "rowadam":  # every rank calls full_tensor() in the same order: collective
+        record["moments"] = {name: row_moments(opt.state[p]) for name, p in
+                             net.named_parameters() if name in COMPRESSED}
     return record
+
+
+def row_moments(state) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
+    """RowAdam's ``exp_avg`` and ``exp_avg_sq`` of a weight: the shape this process holds, and
+    the whole tensor."""
+    return {key: (tuple(v.to_local().shape), v.full_tensor()) if hasattr(v, "full_tensor")
+            else (tuple(v.shape), v.clone()) for key, v in state.items()
+            if key in ("exp_avg", "exp_avg_sq")}
 
 
 def _matrix_worker(rank: int, world: int, out: Path) -> None:
@@ -428,9 +439,11 @@ def load(net: nn.Module, state: dict) -> None:
             v.copy_(state[k])
 
 
-def single_process_steps(scenario, world: int, pre_states: list[dict]) -> tuple[list, list]:
+def single_process_steps(scenario, world: int, pre_states: list[dict]) -> tuple[list, list, dict]:
     """The scenario's optimizer on one process, each step started from ``pre_states[s]``: the
-    ranks' shares backpropagated as micro-batches (loss / world), the whole probe."""
+    ranks' shares backpropagated as micro-batches (loss / world), the whole probe. Returns the
+    states after each step, the controller's history and the optimizer's final state by
+    parameter name."""
     rule, mode, kl = scenario
     net = build(head=not (kl and mode == "fsdp"))
     opt, ctl = make_optimizer(rule, net.parameters(), distributed=False, kl=kl)
@@ -444,7 +457,8 @@ def single_process_steps(scenario, world: int, pre_states: list[dict]) -> tuple[
         opt.step()
         opt.zero_grad()
         posts.append(full_state(net))
-    return posts, ctl.history if ctl is not None else None
+    state = {name: opt.state[p] for name, p in net.named_parameters() if p in opt.state}
+    return posts, ctl.history if ctl is not None else None, state
 
 
 def exact(scenario, world: int) -> bool:
@@ -469,7 +483,7 @@ def assert_matches_single_process(scenario, world: int, records: list[dict]) -> 
     elements (none is expected at this size); FP32 parameters (the head) within 1e-4 of their
     update.
     """
-    reference, history = single_process_steps(scenario, world, records[0]["pre"])
+    reference, history, _ = single_process_steps(scenario, world, records[0]["pre"])
     differing = 0
     for step, ref in enumerate(reference):
         got, pre = records[0]["post"][step], records[0]["pre"][step]
@@ -513,6 +527,33 @@ def assert_matches_single_process(scenario, world: int, records: list[dict]) -> 
     (rule, mode, "kl" if kl else "fixed")) for rule, mode, kl in SCENARIOS])
 def test_ten_steps_equal_a_single_process_on_the_whole_batch(runs, world, scenario):
     assert_matches_single_process(scenario, world, [r[scenario] for r in runs[world]])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_rowadam_moments_under_fsdp2_are_the_rows_each_rank_owns(runs, world):
+    """Each rank holds ``exp_avg`` (its rows x r) and ``exp_avg_sq`` (its rows) of the rows it
+    owns (torch.chunk's rule: 37 rows are 19 + 18 on 2 processes, 10 + 10 + 10 + 7 on 4; 3 rows
+    leave the fourth rank none), and together they are the single process's moments after
+    ten steps: bit for bit on 2 processes (the averaged sketches are exact, see ``exact``), to
+    FP32 rounding on 4 (gloo's order of the four sketches)."""
+    for kl in (False, True):
+        scenario = ("rowadam", "fsdp", kl)
+        records = [r[scenario] for r in runs[world]]
+        _, _, reference = single_process_steps(scenario, world, records[0]["pre"])
+        for rank, record in enumerate(records):
+            for name, moments in record["moments"].items():
+                d = SHAPES[name][0]
+                chunk = -(-d // world)
+                rows = max(0, min(chunk, d - rank * chunk))
+                assert moments["exp_avg"][0] == (rows, RANK), (name, rank)
+                assert moments["exp_avg_sq"][0] == (rows,), (name, rank)
+                for key, (_, whole) in moments.items():
+                    want = reference[name][key]
+                    assert whole.shape == want.shape and whole.dtype == torch.float32
+                    if world == 2:
+                        assert torch.equal(whole, want), (kl, name, key)
+                    else:
+                        torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-12)
 
 
 def test_fsdp2_resharding_after_forward_changes_nothing(runs):
