@@ -31,6 +31,7 @@ seeds.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from collections.abc import Callable, MutableMapping
@@ -73,6 +74,12 @@ _DDP_HINT = (
     "for every compressed weight and never averages the sketches, so ranks drift apart. Use "
     "rgc.distributed.DistributedRGCOptimizer (or call rgc.distributed.all_reduce_sketches(model) "
     "between backward and step) on the bare model instead.")
+
+
+def _check_bucket_mb(bucket_mb) -> None:
+    if (isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float))
+            or not bucket_mb > 0):
+        raise ValueError(f"bucket_mb must be a number > 0 (MiB), got {bucket_mb!r}")
 
 
 def _is_active(group) -> bool:
@@ -306,8 +313,7 @@ def all_reduce_sketches(model_or_optimizer, *, group=None,
     Returns the bytes this rank passed to all-reduce (sketches, gradients and one presence flag
     per tensor); 0 without an initialised process group of more than one rank.
     """
-    if not bucket_mb > 0:
-        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
+    _check_bucket_mb(bucket_mb)
     params = _params_of(model_or_optimizer)
     if not _is_active(group):
         return 0
@@ -568,9 +574,7 @@ class DistributedStep:
 
     def __init__(self, params, *args, group=None, bucket_mb: float = DEFAULT_BUCKET_MB,
                  **kwargs):
-        if (isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float))
-                or not bucket_mb > 0):
-            raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
+        _check_bucket_mb(bucket_mb)
         super().__init__(params, *args, **kwargs)
         self._group = group
         self._bucket_bytes = int(bucket_mb * 2**20)
@@ -664,14 +668,17 @@ class DistributedStep:
         if not rows or not _is_active(self._mesh_group):
             return
         names = [sorted(partials.sums) for _, partials, _ in rows]
-        flat = torch.cat([partials[name][m] for (_, partials, m), row_names in
-                          zip(rows, names, strict=True) for name in row_names])
+        flat = torch.cat([t for (_, partials, m), row_names in zip(rows, names, strict=True)
+                          for t in [(~partials.finite[m]).to(torch.float32),
+                                    *(partials[name][m] for name in row_names)]])
         dist.all_reduce(flat, group=self._mesh_group)
         self.last_comm_bytes += flat.numel() * flat.element_size()
         offset = 0
         for (_, partials, m), row_names in zip(rows, names, strict=True):
+            width = partials.finite.shape[1]
+            partials.finite[m] = flat[offset:offset + width] == 0  # no rank saw a non-finite
+            offset += width
             for name in row_names:
-                width = partials[name].shape[1]
                 partials[name][m] = flat[offset:offset + width]
                 offset += width
 
@@ -695,9 +702,7 @@ class DistributedStep:
         whole = self._gathered([(updates[i].factor, e) for e, i in shards])
         out = list(updates)
         for (e, i), factor in zip(shards, whole, strict=True):
-            u = updates[i]
-            out[i] = LowRankUpdate(e.whole, e.owner.owner, factor, u.coef, u.decay, u.seed,
-                                   u.chunk_rows, u.stochastic_rounding, u.active)
+            out[i] = _of_whole(updates[i], e, factor)
         return out
 
     def _gathered(self, items: list[tuple[torch.Tensor, ShardEntry]], *,
@@ -764,15 +769,19 @@ class DistributedStep:
             self.last_export_bytes += shares.numel() * shares.element_size()
         shares = shares % _PRIME
         for r, value, base, result in zip(shards, whole, shares[0], shares[1], strict=True):
-            u, e = r.update, r.entry
-            if isinstance(u, LowRankUpdate):
-                u = LowRankUpdate(e.whole, e.owner.owner, value, u.coef, u.decay, u.seed,
-                                  u.chunk_rows, u.stochastic_rounding, u.active)
-            else:
-                u = DenseUpdate(e.whole, value, u.coef, u.decay, u.seed, u.stochastic_rounding,
-                                u.active)
-            records.append((u, base, r.projection_seed, result))
+            records.append((_of_whole(r.update, r.entry, value), base, r.projection_seed,
+                            result))
         return records
+
+
+def _of_whole(update: LowRankUpdate | DenseUpdate, entry: ShardEntry,
+              value: torch.Tensor) -> LowRankUpdate | DenseUpdate:
+    """A row shard's update as the update of the whole parameter, ``value`` being the
+    gathered factor (d x r) or dense direction."""
+    if isinstance(update, LowRankUpdate):
+        return dataclasses.replace(update, param=entry.whole, layer=entry.owner.owner,
+                                   factor=value)
+    return dataclasses.replace(update, param=entry.whole, direction=value, offset=0)
 
 
 class DistributedRGCOptimizer(DistributedStep, RGCOptimizer):

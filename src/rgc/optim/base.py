@@ -1,7 +1,7 @@
 """What every rgc optimizer shares: gather, measure, propose, scale, apply, refresh, record.
 
 A step of a :class:`SketchOptimizer` measures, for every parameter with a sketch or gradient,
-the sums its rule needs (:class:`Partials`: norms, non-finite counts), then proposes an update
+the sums its rule needs (:class:`Partials`: finiteness, norms), then proposes an update
 in factored form (:class:`LowRankUpdate` or :class:`DenseUpdate`) from them, optionally lets a
 step controller scale all proposals by one ``alpha`` (see :class:`rgc.PredictedKL`), applies
 them, then clears sketches and, after the last update, refreshes projections. The same apply
@@ -55,30 +55,26 @@ class Entry:
 
 @dataclass
 class Partials:
-    """The statistics a rule forms its coefficients from, as sums over a weight's elements.
+    """The statistics a rule forms its coefficients from, over a weight's elements.
 
-    ``sums`` maps a name to an ``[M, E]`` FP32 tensor (M parameters of E matrices each; a
-    dense parameter is one ``1 x 1``): always ``nonfinite`` (non-finite values in the sketch
-    or gradient), and what the rule needs, e.g. ``sketch`` (``||C P^T||^2``) and ``weight``
-    (``||W||^2``). On one process they cover the whole weight. A distributed optimizer whose
-    ranks hold rows of a weight sums every entry over those ranks (one collective for all
-    parameters of a step) before the proposal reads them: every sum here must be additive
-    over rows.
+    ``finite`` is ``[M, E]`` bool (M parameters of E matrices each; a dense parameter is one
+    ``1 x 1``): no non-finite value in the matrix's sketch or gradient. ``sums`` maps a name
+    to an ``[M, E]`` FP32 tensor of what the rule needs, e.g. ``sketch`` (``||C P^T||^2``)
+    and ``weight`` (``||W||^2``). On one process they cover the whole weight. A distributed
+    optimizer whose ranks hold rows of a weight combines them over those ranks (one
+    collective for all parameters of a step) before the proposal reads them: ``finite`` as
+    the number of ranks that saw a non-finite value, every entry of ``sums`` summed, so each
+    must be additive over rows.
     """
+    finite: torch.Tensor
     sums: dict[str, torch.Tensor]
 
     @classmethod
     def of(cls, finite: torch.Tensor, **sums: torch.Tensor) -> Partials:
-        """From a bool ``finite`` ``[M, E]`` and the rule's sums."""
-        return cls({"nonfinite": (~finite).to(torch.float32), **sums})
+        return cls(finite, sums)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.sums[name]
-
-    @property
-    def finite(self) -> torch.Tensor:
-        """``[M, E]`` bool: no non-finite value in the matrix (on any rank)."""
-        return self.sums["nonfinite"] == 0
 
 
 def _refresh_due(refresh, step: int) -> bool:
@@ -277,10 +273,8 @@ class SketchOptimizer(Optimizer):
 
     def _dense_partials(self, entry: Entry) -> Partials:
         """The sums the rule needs of a parameter with a dense ``.grad`` (``1 x 1`` each):
-        here the non-finite count of the gradient; subclasses add theirs."""
-        grad = entry.param.grad
-        return Partials({"nonfinite": (~torch.isfinite(grad)).sum().to(torch.float32)
-                         .reshape(1, 1)})
+        here whether the gradient is finite; subclasses add their sums."""
+        return Partials.of(torch.isfinite(entry.param.grad).all().reshape(1, 1))
 
     def _propose_dense(self, p, group, state, seed, ok,
                        partials: Partials) -> DenseUpdate | None:
