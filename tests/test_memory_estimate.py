@@ -259,6 +259,8 @@ def test_fsdp_shards_all_but_the_sketches():
     assert dense8.temporaries == gathered + dense1.temporaries
     with pytest.raises(ValueError, match="FSDP2"):
         estimate_memory(cfg, method="galore", rank=64, fsdp=8)
+    with pytest.raises(ValueError, match="GPU count"):
+        estimate_memory(cfg, method="rgc", rank=64, fsdp=0)
 
 
 def test_fsdp_shards_rowadam_moments_with_the_rows():
@@ -274,8 +276,6 @@ def test_fsdp_shards_rowadam_moments_with_the_rows():
     assert (eight.sketch, eight.projections) == (one.sketch, one.projections)
     assert eight.weights == -(-one.weights // 8)
     assert eight.total < one.total
-    with pytest.raises(ValueError, match="GPU count"):
-        estimate_memory(cfg, method="rgc", rank=64, fsdp=0)
 
 
 #: A small Qwen3 whose embedding (2000 x 128) is the largest parameter and whose projections

@@ -72,8 +72,9 @@ _FINGERPRINT_FIELDS = (
 _DDP_HINT = (
     "Do not wrap an rgc model in DistributedDataParallel: DDP all-reduces a d x k buffer of zeros "
     "for every compressed weight and never averages the sketches, so ranks drift apart. Use "
-    "rgc.distributed.DistributedRGCOptimizer (or call rgc.distributed.all_reduce_sketches(model) "
-    "between backward and step) on the bare model instead.")
+    "rgc.DistributedRGCOptimizer or rgc.DistributedRowAdam (or call "
+    "rgc.distributed.all_reduce_sketches(model) between backward and step) on the bare model "
+    "instead.")
 
 
 def _check_bucket_mb(bucket_mb) -> None:
