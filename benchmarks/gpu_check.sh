@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
 # One call on a machine with a CUDA GPU runs every GPU check and writes the results under
 # benchmarks/results/ (or DIR with --out DIR):
-#   1. the compiled-kernel tests (tests/test_ops_gpu.py) and the ahead-of-time spill check
-#      (tests/test_ops_aot.py), pytest output in gpu_check_tests.txt;
+#   1. the compiled-kernel tests (tests/test_ops_gpu.py, among them the row shards of FSDP2
+#      ranks updated with their offsets against the unsharded update, bit for bit) and the
+#      ahead-of-time spill check (tests/test_ops_aot.py), pytest output in gpu_check_tests.txt;
 #   2. the kernel benchmark against copy bandwidth, the torch path and fused AdamW, one and
 #      eight stacks per launch (gpu_kernels.{md,csv,json}, gpu_kernels_sweep.*);
 #   3. a whole RGCOptimizer.step() on Qwen3-1.7B's projections (rgc.wrap + rgc.RGCOptimizer)
 #      against torch.optim.AdamW(fused=True), with host synchronisations counted and the CUDA
 #      kernels, memcpys and memsets of one step counted by the torch profiler, at full and at
-#      half depth (gpu_step.*): the grouping by shape measured, not only modelled.
+#      half depth (gpu_step.*): the grouping by shape measured, not only modelled;
+#   4. the distributed step on NCCL (docs/distributed.md, "NCCL and the GPU"): RGC data
+#      parallel, RGC under FSDP2 and LoGRA's recipe (FSDP2, RowAdam r=256, annealed predicted
+#      KL, a DCP checkpoint) of examples/distributed.py, 10 steps each under torchrun, each
+#      required to print that the ranks' weights agree (gpu_check_distributed.txt). Two
+#      processes on two GPUs when there are two or more; with one GPU a group of one (NCCL
+#      refuses two ranks on one device): FSDP2, the kernels and the probe then run on the
+#      device, but no collective carries data, and NCCL's reduction order is not exercised.
 # Every step runs even when an earlier one fails; the exit status is the first failure's.
 #   benchmarks/gpu_check.sh [--out DIR] [--reps N] [--no-sweep]
 set -uo pipefail
@@ -49,5 +57,15 @@ run bash -c "set -o pipefail; '$PY' -m pytest tests/test_ops_gpu.py tests/test_o
 run "$PY" benchmarks/gpu_kernels.py --out "$OUT" ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
 run "$PY" benchmarks/gpu_kernels.py --step --config benchmarks/configs/qwen3-1.7b.json \
   --out "$OUT" ${STEP_ARGS[@]+"${STEP_ARGS[@]}"}
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+NPROC=$(( NGPU >= 2 ? 2 : 1 ))
+: > "$OUT/gpu_check_distributed.txt"
+CKPT=$(mktemp -d)
+for args in "--recipe rgc" "--recipe rgc --fsdp" "--recipe logra --checkpoint $CKPT/logra"; do
+  run bash -c "set -o pipefail; '$PY' -m torch.distributed.run --standalone \
+    --nproc-per-node $NPROC examples/distributed.py --steps 10 $args 2>&1 \
+    | tee -a '$OUT/gpu_check_distributed.txt' | grep 'weights agree across ranks: True' >/dev/null"
+done
+rm -rf "$CKPT"
 echo "== results in $OUT (status $status)"
 exit $status

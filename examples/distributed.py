@@ -1,8 +1,12 @@
-"""Data parallel or FSDP2 training with rgc on torch.distributed.
+"""Data parallel or FSDP2 training with rgc on torch.distributed, RGC or LoGRA's recipe.
 
-    torchrun --nproc_per_node 2 examples/distributed.py                 # data parallel
-    torchrun --nproc_per_node 2 examples/distributed.py --fsdp          # FSDP2, rows sharded
-    torchrun --nproc_per_node 2 examples/distributed.py --fsdp --checkpoint runs/ckpt
+    torchrun --nproc-per-node 2 examples/distributed.py                 # RGC, data parallel
+    torchrun --nproc-per-node 2 examples/distributed.py --fsdp          # RGC, FSDP2 row shards
+    torchrun --nproc-per-node 2 examples/distributed.py --recipe logra --checkpoint runs/ckpt
+
+``--recipe logra`` is LoGRA's published setup at small scale: FSDP2, RowAdam on rank-256
+sketches of fixed Rademacher projections, and predicted-KL step control whose budget anneals
+from 2e-4 to 2e-5; each rank probes the KL on its share of the step's batch.
 
 The same command runs on CPUs (gloo) and on GPUs (nccl, one process per GPU). The model is a
 small stack of Llama-style MLP blocks learning a synthetic next-token rule; only the
@@ -38,7 +42,7 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    def __init__(self, vocab: int = 64, hidden: int = 128, intermediate: int = 384,
+    def __init__(self, vocab: int = 64, hidden: int = 256, intermediate: int = 512,
                  layers: int = 2):
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
@@ -59,14 +63,30 @@ def global_batch(step: int, batch: int, vocab: int, device) -> tuple[torch.Tenso
     return tokens.to(device), ((3 * tokens + 1) % vocab).to(device)
 
 
+def build_optimizer(recipe: str, model: nn.Module, steps: int, lr: float):
+    """RGC: normalised SGD at a calibrated step. LoGRA: RowAdam under annealed predicted KL."""
+    if recipe == "rgc":
+        return rgc.DistributedRGCOptimizer(model.parameters(), lr=lr, seed=0), None
+    control = rgc.PredictedKL(budget=2e-4, final_budget=2e-5, anneal_steps=max(steps - 1, 1))
+    optimizer = rgc.DistributedRowAdam(model.parameters(), lr=lr, seed=0,
+                                       step_control=control)
+    return optimizer, control
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2's fully_shard")
+    parser.add_argument("--recipe", choices=("rgc", "logra"), default="rgc",
+                        help="rgc: RGCOptimizer; logra: FSDP2 + RowAdam + annealed predicted KL")
+    parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2's fully_shard "
+                        "(always on for --recipe logra)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
-    parser.add_argument("--rank", type=int, default=16, help="sketch rank r")
+    parser.add_argument("--rank", type=int, default=None,
+                        help="sketch rank r (default 16 for rgc, 256 for logra)")
     parser.add_argument("--checkpoint", default=None, help="save a torch.distributed.checkpoint")
     args = parser.parse_args()
+    fsdp = args.fsdp or args.recipe == "logra"
+    rank_r = args.rank or (256 if args.recipe == "logra" else 16)
 
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
@@ -79,15 +99,16 @@ def main() -> None:
 
     torch.manual_seed(0)  # the same initial weights on every rank
     model = TinyLM().to(device=device, dtype=torch.bfloat16)
-    rgc.wrap(model, args.rank, seed=0)  # same seed everywhere; checked by the optimizer
-    lr = rgc.calibrate_lr(model, adamw_lr=1e-3)
-    if args.fsdp:
+    rgc.wrap(model, rank_r, seed=0, preset=args.recipe)  # same seed everywhere; checked
+    # RGC's step relative to ||W||, calibrated on the whole weights; RowAdam's is Adam's lr
+    lr = rgc.calibrate_lr(model, adamw_lr=1e-3) if args.recipe == "rgc" else 1e-3
+    if fsdp:  # after rgc.wrap: fully_shard then shards the compressed weights by rows
         from torch.distributed.fsdp import fully_shard
 
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-    optimizer = rgc.distributed.DistributedRGCOptimizer(model.parameters(), lr=lr, seed=0)
+    optimizer, control = build_optimizer(args.recipe, model, args.steps, lr)
 
     share = args.batch // world
     for step in range(args.steps):
@@ -96,16 +117,24 @@ def main() -> None:
         logits = model(tokens[mine])
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets[mine].flatten())
         loss.backward()
+        if control is not None:  # every rank probes its own share: kappa is their mean
+            control.set_probe(model, tokens[mine])
         optimizer.step()
         optimizer.zero_grad()
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
-            print(f"step {step:3d}  loss {float(mean_loss) / world:.4f}  "
-                  f"sent {optimizer.last_comm_bytes} B/rank", flush=True)
+            line = (f"step {step:3d}  loss {float(mean_loss) / world:.4f}  "
+                    f"sent {optimizer.last_comm_bytes} B/rank")
+            if control is not None:
+                last = control.last
+                line += (f"  predicted KL {last['predicted_kl']:.2e} (budget "
+                         f"{last['budget']:.1e}, alpha {last['alpha']:.3f})  realised "
+                         f"{last['realised_kl']:.2e}")
+            print(line, flush=True)
 
     # Every rank holds the same weights (data parallel) or the same global tensors (FSDP2).
-    first = next(iter(model.state_dict().values()))
+    first = model.blocks[0].gate_proj.weight
     local = first.full_tensor() if hasattr(first, "full_tensor") else first
     checks = [torch.empty(1, dtype=torch.float64, device=device) for _ in range(world)]
     dist.all_gather(checks, local.double().sum().reshape(1))
@@ -117,7 +146,10 @@ def main() -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=args.checkpoint)
+        state = {"model": model_sd, "optim": optim_sd}
+        if control is not None:  # the annealing step travels with the checkpoint
+            state["control"] = control.state_dict()
+        dcp.save(state, checkpoint_id=args.checkpoint)
         if rank == 0:
             print("saved", args.checkpoint)
     # Let every rank finish its collectives before the group is torn down: gloo can abort a

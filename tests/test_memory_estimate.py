@@ -263,6 +263,21 @@ def test_fsdp_shards_all_but_the_sketches():
         estimate_memory(cfg, method="rgc", rank=64, fsdp=0)
 
 
+def test_fsdp_shards_rowadam_moments_with_the_rows():
+    """DistributedRowAdam keeps m (d x r FP32) and v (d FP32) for the rows a GPU owns: the
+    state is divided by the GPU count; sketches and projections stay whole."""
+    cfg = CONFIGS / "qwen3-8b.json"
+    one = estimate_memory(cfg, method="rowadam", rank=256)
+    eight = estimate_memory(cfg, method="rowadam", rank=256, fsdp=8)
+    h, i, q, kv, layers = 4096, 12288, 32 * 128, 8 * 128, 36
+    rows = layers * (q + 2 * kv + h + 2 * i + h)  # d of q, k, v, o, gate, up, down
+    assert one.optimizer_state == rows * (256 * 4 + 4)
+    assert eight.optimizer_state == -(-one.optimizer_state // 8)
+    assert (eight.sketch, eight.projections) == (one.sketch, one.projections)
+    assert eight.weights == -(-one.weights // 8)
+    assert eight.total < one.total
+
+
 #: A small Qwen3 whose embedding (2000 x 128) is the largest parameter and whose projections
 #: are all at least 4096 elements (quantized by the 8- and 4-bit optimizers).
 SMALL = dict(vocab_size=2000, hidden_size=128, intermediate_size=384, num_hidden_layers=2,

@@ -324,3 +324,26 @@ def test_optimizer_on_cuda_matches_the_torch_path(monkeypatch):
 
     for a, b in zip(train("triton"), train("torch"), strict=True):
         assert_close_bf16(a, b)
+
+
+@pytest.mark.parametrize("d,world", [(1000, 2), (37, 4), (4099, 8)])
+def test_row_shards_with_their_offsets_have_the_bits_of_the_unsharded_update(d, world):
+    """What FSDP2 ranks do on the GPU (rgc.distributed): each updates its own copy of its
+    torch.chunk rows with rounding offset ``first_row * k``; together they have the bits of
+    the unsharded update (the rounding bits and the FP32 products of a row do not depend on
+    where a launch's rows start)."""
+    k, r = 768, 64
+    ws, us, ps = stacks(1, 1, d, k, r)
+    coefs = torch.full((1, 1), 0.05, device=CUDA)
+    decays = torch.full((1, 1), 0.01, device=CUDA)
+    whole = ws[0].clone()
+    T.lowrank_update_([whole], us, ps, coefs, decays, [7], [0], [k], True, 128, None)
+    chunk = -(-d // world)
+    pieces = []
+    for start in range(0, d, chunk):
+        rows = ws[0][:, start:start + chunk].clone()  # a rank's local shard
+        T.lowrank_update_([rows], [us[0][:, start:start + chunk].clone()], ps, coefs, decays,
+                          [7], [start * k], [k], True, 128, None)
+        pieces.append(rows)
+    assert torch.equal(bits16(torch.cat(pieces, dim=1)), bits16(whole))
+    assert not torch.equal(bits16(whole), bits16(ws[0]))

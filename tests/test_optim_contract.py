@@ -2,11 +2,11 @@
 
 What PyTorch's own optimizer suite checks for every built-in optimizer (state_dict round trips,
 copy and pickle, hooks, tensor lr, default lr, maximize, param groups, schedulers, closures,
-error inputs), run on RGCOptimizer, RowAdam and DistributedRGCOptimizer (single process, no
-process group) over small wrapped and unwrapped models in BF16 and FP32. Expected values come
-from uninterrupted runs, from the objective's negation, or from float64 formulas written here.
-Where rgc deliberately differs from torch.optim, the test asserts the behaviour documented in
-docs/design.md ("Where rgc differs from torch.optim").
+error inputs), run on RGCOptimizer, RowAdam, DistributedRGCOptimizer and DistributedRowAdam
+(single process, no process group) over small wrapped and unwrapped models in BF16 and FP32.
+Expected values come from uninterrupted runs, from the objective's negation, or from float64
+formulas written here. Where rgc deliberately differs from torch.optim, the test asserts the
+behaviour documented in docs/design.md ("Where rgc differs from torch.optim").
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 import rgc
-from rgc.distributed import DistributedRGCOptimizer
+from rgc.distributed import DistributedRGCOptimizer, DistributedRowAdam
 from tests.models import TwoLayerNet
 
 D_IN, HIDDEN, D_OUT, RANK = 12, 10, 6, 3
@@ -30,8 +30,10 @@ OPTIMIZERS = {
     "rgc": (rgc.RGCOptimizer, dict(lr=2e-2)),
     "rowadam": (rgc.RowAdam, dict(lr=1e-2, weight_decay=0.1)),
     "distributed": (DistributedRGCOptimizer, dict(lr=2e-2)),
+    "distributed-rowadam": (DistributedRowAdam, dict(lr=1e-2, weight_decay=0.1)),
 }
-PRESET = {"rgc": "rgc", "rowadam": "logra", "distributed": "rgc"}
+PRESET = {"rgc": "rgc", "rowadam": "logra", "distributed": "rgc",
+          "distributed-rowadam": "logra"}
 KINDS = ("wrapped", "unwrapped")
 DTYPES = (torch.bfloat16, torch.float32)
 MATRIX = [(o, k, d) for o in OPTIMIZERS for k in KINDS for d in DTYPES]
@@ -134,8 +136,7 @@ def _copy_pair(pair, how: str):
 def test_model_and_optimizer_copied_together_continue_bit_identically(opt_name, kind, dtype,
                                                                       how):
     model = make_model(opt_name, kind, dtype)
-    extra = {} if opt_name == "distributed" else {"keep_updates": True}
-    opt = make_opt(opt_name, model.parameters(), **extra)
+    opt = make_opt(opt_name, model.parameters(), keep_updates=True)
     train(model, opt, 2)
     model2, opt2 = _copy_pair((model, opt), how)
     assert opt2.steps_taken == opt.steps_taken == 2
@@ -148,9 +149,8 @@ def test_model_and_optimizer_copied_together_continue_bit_identically(opt_name, 
     assert_same_params(model, model2)
     assert_same_state(opt, opt2)
     assert opt2.steps_taken == 4
-    if extra:
-        a, b = opt.export_update(model), opt2.export_update(model2)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a, b = opt.export_update(model), opt2.export_update(model2)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
@@ -197,6 +197,19 @@ def _first_format(state_dict: dict) -> dict:
     return old
 
 
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_steps_taken_survives_a_checkpoint_of_state_and_groups_only(opt_name):
+    """torch.distributed.checkpoint keeps only 'state' and 'param_groups' of a state dict."""
+    model = make_model(opt_name, "wrapped", torch.float32)
+    opt = make_opt(opt_name, model.parameters())
+    train(model, opt, 3)
+    sd = opt.state_dict()
+    fresh = make_opt(opt_name, make_model(opt_name, "wrapped", torch.float32).parameters())
+    fresh.load_state_dict({"state": sd["state"], "param_groups": sd["param_groups"]})
+    assert fresh.steps_taken == 3
+    assert all("rgc_steps_taken" not in g for g in fresh.param_groups)
+
+
 @pytest.mark.parametrize("with_steps_taken", [True, False])
 @pytest.mark.parametrize("opt_name, kind, dtype", MATRIX, ids=MATRIX_IDS)
 def test_first_state_format_resumes_bit_identically(opt_name, kind, dtype, with_steps_taken):
@@ -206,8 +219,10 @@ def test_first_state_format_resumes_bit_identically(opt_name, kind, dtype, with_
     train(model, opt, 3)
     train(ref_model, ref_opt, 5)
     old = _first_format(opt.state_dict())
-    if not with_steps_taken:
+    if not with_steps_taken:  # as written before the count existed
         del old["rgc_steps_taken"]
+        for group in old["param_groups"]:
+            del group["rgc_steps_taken"]
     buffer = io.BytesIO()
     torch.save(old, buffer)
     buffer.seek(0)
@@ -296,7 +311,7 @@ def test_load_state_dict_pre_hook_result_is_what_is_loaded(opt_name, kind, dtype
     def pre(o, sd):
         changed = copy.deepcopy(sd)
         changed["param_groups"][0]["lr"] = 0.125
-        changed["rgc_steps_taken"] = 40
+        changed["rgc_steps_taken"] = 40  # the top-level count wins over the groups' copies
         for entry in changed["state"].values():
             for key, value in entry.items():
                 if torch.is_tensor(value) and value.is_floating_point():
@@ -316,7 +331,7 @@ def test_load_state_dict_pre_hook_result_is_what_is_loaded(opt_name, kind, dtype
                 loaded = fresh.state[params[pid]][key]
                 assert loaded.dtype == value.dtype and torch.equal(loaded, value * 2), key
                 doubled += 1
-    assert doubled > 0 or opt_name != "rowadam"  # RowAdam always holds FP32 moments
+    assert doubled > 0 or not opt_name.endswith("rowadam")  # RowAdam always holds FP32 moments
     assert original["param_groups"][0]["lr"] == OPTIMIZERS[opt_name][1]["lr"]  # input untouched
 
 
@@ -344,7 +359,7 @@ def test_load_state_dict_post_hook_sees_restored_projections_and_state(opt_name,
     (versions, post_p, dtypes, steps_taken), = seen
     assert versions == [3, 3] and steps_taken == 3
     assert all(torch.equal(a, b) for a, b in zip(saved_p, post_p, strict=True))
-    if opt_name == "rowadam":  # FP32 moments stay FP32 even for BF16 weights (rgc's rule)
+    if opt_name.endswith("rowadam"):  # FP32 moments stay FP32 even for BF16 weights (rgc's rule)
         assert dtypes == {"exp_avg": torch.float32, "exp_avg_sq": torch.float32}
 
 
@@ -491,12 +506,12 @@ def test_float64_parameters_get_fp32_arithmetic_as_documented(opt_name):
     p = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
     g = torch.randn(7, 5, dtype=torch.float64)
     lr = 1e-2
-    opt = make_opt(opt_name, [p], lr=lr, **({"weight_decay": 0.0} if opt_name == "rowadam"
-                                             else {}))
+    no_decay = {"weight_decay": 0.0} if opt_name.endswith("rowadam") else {}
+    opt = make_opt(opt_name, [p], lr=lr, **no_decay)
     p0 = p.detach().clone()
     p.grad = g.clone()
     opt.step()
-    if opt_name == "rowadam":  # first Adam step: m_hat = g, v_hat = g^2
+    if opt_name.endswith("rowadam"):  # first Adam step: m_hat = g, v_hat = g^2
         expected = p0 - lr * g / (g.abs() + 1e-8)
     else:
         expected = p0 - lr * p0.norm() / g.norm() * g

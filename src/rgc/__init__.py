@@ -4,7 +4,7 @@ from rgc import compute, distributed, experts, memory
 from rgc.calibrate import calibrate_lr
 from rgc.control import PredictedKL
 from rgc.coverage import wrap_summary
-from rgc.distributed import DistributedRGCOptimizer
+from rgc.distributed import DistributedRGCOptimizer, DistributedRowAdam
 from rgc.memory import estimate_memory
 from rgc.nn import (
     DEFAULT_TARGETS,
@@ -27,6 +27,7 @@ __all__ = [
     "PROJECTION_KINDS",
     "CompressedLinear",
     "DistributedRGCOptimizer",
+    "DistributedRowAdam",
     "PredictedKL",
     "RGCOptimizer",
     "RowAdam",

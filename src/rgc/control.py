@@ -32,6 +32,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rgc.updates import DenseUpdate, LowRankUpdate, is_zero
 
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # torch without FSDP2
+    FSDPModule = None
+
 SCHEDULES = ("linear", "cosine")
 FORWARD_AD_ATTENTION = ("eager", "sdpa")
 
@@ -47,10 +52,25 @@ def default_logits(output) -> torch.Tensor:
 
 def _forward(model: nn.Module, inputs, params: dict | None = None):
     args, kwargs = ((), inputs) if isinstance(inputs, dict) else ((inputs,), {})
-    with sdpa_kernel([SDPBackend.MATH]):
-        if params:
-            return torch.func.functional_call(model, params, args, kwargs)
-        return model(*args, **kwargs)
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            if params:
+                return torch.func.functional_call(model, params, args, kwargs)
+            return model(*args, **kwargs)
+    finally:
+        _reshard(model)
+
+
+def _reshard(model: nn.Module) -> None:
+    """Free the weights FSDP2 gathered for a probe forward. A module with
+    ``reshard_after_forward=False`` keeps them after a forward that no backward follows, and
+    its next forward would reuse them: after the probe they are stale, the optimizer having
+    written the shards since."""
+    if FSDPModule is None:
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _check_attention(model: nn.Module) -> None:
@@ -134,24 +154,53 @@ def _token_select(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return x[mask.to(device=x.device, dtype=torch.bool)]
 
 
+def _variances(logits: torch.Tensor, tangent: torch.Tensor,
+               token_mask: torch.Tensor | None) -> torch.Tensor:
+    """``Var_{v ~ softmax(logits_t)}(tangent_t,v)`` per selected token, float64 ``(n,)``."""
+    z = _token_select(logits, token_mask).to(torch.float64)
+    dz = _token_select(tangent, token_mask).to(torch.float64)
+    p = torch.softmax(z, dim=-1)
+    mean = (p * dz).sum(-1, keepdim=True)
+    return (p * (dz - mean).square()).sum(-1)
+
+
+def _divergences(logits_old: torch.Tensor, logits_new: torch.Tensor,
+                 token_mask: torch.Tensor | None) -> torch.Tensor:
+    """``KL(softmax(old_t) || softmax(new_t))`` per selected token, float64 ``(n,)``."""
+    lp = torch.log_softmax(_token_select(logits_old, token_mask).to(torch.float64), -1)
+    lq = torch.log_softmax(_token_select(logits_new, token_mask).to(torch.float64), -1)
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
 def kl_coefficient(logits: torch.Tensor, tangent: torch.Tensor,
                    token_mask: torch.Tensor | None = None) -> float:
     """``kappa = 1/2 mean_t Var_{v ~ softmax(logits_t)}(tangent_t,v)``, in float64."""
-    z = _token_select(logits, token_mask).to(torch.float64)
-    dz = _token_select(tangent, token_mask).to(torch.float64)
-    if z.shape[0] == 0:
+    variances = _variances(logits, tangent, token_mask)
+    if variances.numel() == 0:
         raise ValueError("the probe's token_mask selects no token")
-    p = torch.softmax(z, dim=-1)
-    mean = (p * dz).sum(-1, keepdim=True)
-    return 0.5 * float((p * (dz - mean).square()).sum(-1).mean())
+    return 0.5 * float(variances.mean())
 
 
 def kl_divergence(logits_old: torch.Tensor, logits_new: torch.Tensor,
                   token_mask: torch.Tensor | None = None) -> float:
     """Mean over tokens of ``KL(softmax(old) || softmax(new))``, in float64."""
-    lp = torch.log_softmax(_token_select(logits_old, token_mask).to(torch.float64), -1)
-    lq = torch.log_softmax(_token_select(logits_new, token_mask).to(torch.float64), -1)
-    return float((lp.exp() * (lp - lq)).sum(-1).mean())
+    return float(_divergences(logits_old, logits_new, token_mask).mean())
+
+
+def mean_over_ranks(values: torch.Tensor, optimizer) -> float:
+    """The mean of per-token ``values`` (float64 ``(n,)``) over the tokens of every rank that
+    trains with ``optimizer`` (its ``sum_over_ranks``: one all-reduce of two float64 on several
+    processes; on one process the plain mean). One host read; ``ValueError`` when no rank has a
+    token."""
+    sums = torch.stack([values.sum(), torch.tensor(float(values.numel()), dtype=torch.float64,
+                                                   device=values.device)])
+    reduce = getattr(optimizer, "sum_over_ranks", None)
+    if reduce is not None:
+        sums = reduce(sums)
+    mean = float(sums[0] / sums[1])
+    if math.isnan(mean) and float(sums[1]) == 0:  # a second read only in this case
+        raise ValueError("the probe's token_mask selects no token")
+    return mean
 
 
 class PredictedKL:
@@ -254,7 +303,7 @@ class PredictedKL:
         self.check_ready()
         model, inputs, mask, logits_fn = self._probe
         logits, tangent = logits_jvp(model, inputs, updates, logits_fn=logits_fn)
-        kappa = kl_coefficient(logits, tangent, mask)
+        kappa = 0.5 * mean_over_ranks(_variances(logits, tangent, mask), optimizer)
         budget = self.budget_at(self.steps)
         if not math.isfinite(kappa):
             warnings.warn("predicted-KL step control: non-finite kappa, the step is skipped "
@@ -266,12 +315,12 @@ class PredictedKL:
             alpha = min(self.max_scale, math.sqrt(budget / kappa))
         record = {"step": self.steps + 1, "budget": budget, "kappa": kappa, "alpha": alpha,
                   "predicted_kl": alpha * alpha * kappa if math.isfinite(kappa) else kappa}
-        self._pending = (record, logits.detach() if self.measure_realised else None)
+        self._pending = (record, logits.detach() if self.measure_realised else None, optimizer)
         return alpha
 
     def after_update(self) -> None:
         """Record the step (and the realised KL on the probe, if asked); called by the optimizer."""
-        record, logits_old = self._pending
+        record, logits_old, optimizer = self._pending
         self._pending = None
         if logits_old is not None:
             model, inputs, mask, logits_fn = self._probe
@@ -283,7 +332,8 @@ class PredictedKL:
             finally:
                 for m, mode in was_training:
                     m.training = mode
-            record["realised_kl"] = kl_divergence(logits_old, logits_new, mask)
+            record["realised_kl"] = mean_over_ranks(_divergences(logits_old, logits_new, mask),
+                                                    optimizer)
         self.history.append(record)
         self.steps += 1
 

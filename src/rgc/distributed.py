@@ -1,4 +1,4 @@
-"""Multi-process training on ``torch.distributed``: data parallel and FSDP2.
+"""Multi-process training on ``torch.distributed``: data parallel and FSDP2, for every rule.
 
 What crosses the network is the d x r FP32 sketch ``C`` of each compressed weight, never its
 d x k gradient. Because ``C = G P`` is linear in the gradient, averaging sketches equals
@@ -7,7 +7,7 @@ sketching the averaged gradient: the reduction is exact, with no error feedback.
 Data parallel (every rank holds the whole model; ``torchrun`` starts one process per device)::
 
     model = rgc.wrap(model, rank=64, seed=0)          # the same seed on every rank
-    opt = rgc.distributed.DistributedRGCOptimizer(model.parameters(), lr=tau)
+    opt = rgc.DistributedRGCOptimizer(model.parameters(), lr=tau)   # or DistributedRowAdam
     loss.backward()                                   # loss on this rank's share of the batch
     opt.step()                                        # averages sketches and grads, then updates
     opt.zero_grad()
@@ -15,20 +15,26 @@ Data parallel (every rank holds the whole model; ``torchrun`` starts one process
 Do not wrap the model in ``DistributedDataParallel``: see :func:`all_reduce_sketches`.
 
 FSDP2: ``rgc.wrap`` first, then ``torch.distributed.fsdp.fully_shard`` (weights become
-``Shard(0)`` DTensors). The same optimizer reduce-scatters each sketch to the rows a rank owns,
-all-reduces the squared norms ``||W||^2`` and ``||H||^2`` (a few scalars per layer) and updates
-only the local rows, with the rounding bits those rows have in the unsharded weight. Other
-trainable parameters get FSDP's usual reduce-scattered gradients.
+``Shard(0)`` DTensors). The same optimizer reduce-scatters each sketch to the rows a rank owns
+and runs the rule on those rows only; the sums the rule's coefficients need (``||W||^2``,
+``||H||^2``, non-finite counts) are summed over the ranks with one all-reduce per step, and the
+rows are written with the rounding bits they have in the unsharded weight. Other trainable
+parameters get FSDP's usual reduce-scattered gradients.
 
-The optimizer checks at construction, with one all-gather of a few integers, that every rank
-has the same projection seeds and versions and the same rounding seeds.
+:class:`DistributedStep` is that communication, and nothing else: the update rule, its state
+and bookkeeping are the single-process optimizer's (``DistributedRGCOptimizer`` is
+``DistributedStep`` over :class:`rgc.RGCOptimizer`, ``DistributedRowAdam`` over
+:class:`rgc.RowAdam`). The optimizer checks at construction, with one all-gather of a few
+integers, that every rank has the same projection seeds and versions and the same rounding
+seeds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -37,19 +43,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim import Optimizer
 
-from rgc.nn import compressed_layer_of
-from rgc.optim.base import Entry, group_lr, rounding_seed
-from rgc.optim.rgc import RGCOptimizer, normalized_coef
+from rgc.optim.base import Entry
+from rgc.optim.rgc import RGCOptimizer
+from rgc.optim.rowadam import RowAdam
 from rgc.registry import sketched_owner_of
 from rgc.seeding import derive_seed
-from rgc.updates import apply_dense_update_, apply_lowrank_update_, sum_squares
+from rgc.sync import _PRIME, fingerprint_tensor
+from rgc.updates import DenseUpdate, LowRankUpdate, StackUpdate
 
 try:
     from torch.distributed.tensor import DTensor, Shard
 except ImportError:  # torch < 2.5
     from torch.distributed._tensor import DTensor, Shard
 
-__all__ = ["DistributedRGCOptimizer", "all_reduce_sketches", "check_seeds"]
+__all__ = ["DistributedRGCOptimizer", "DistributedRowAdam", "DistributedStep",
+           "all_reduce_sketches", "check_seeds"]
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -64,8 +72,15 @@ _FINGERPRINT_FIELDS = (
 _DDP_HINT = (
     "Do not wrap an rgc model in DistributedDataParallel: DDP all-reduces a d x k buffer of zeros "
     "for every compressed weight and never averages the sketches, so ranks drift apart. Use "
-    "rgc.distributed.DistributedRGCOptimizer (or call rgc.distributed.all_reduce_sketches(model) "
-    "between backward and step) on the bare model instead.")
+    "rgc.DistributedRGCOptimizer or rgc.DistributedRowAdam (or call "
+    "rgc.distributed.all_reduce_sketches(model) between backward and step) on the bare model "
+    "instead.")
+
+
+def _check_bucket_mb(bucket_mb) -> None:
+    if (isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float))
+            or not bucket_mb > 0):
+        raise ValueError(f"bucket_mb must be a number > 0 (MiB), got {bucket_mb!r}")
 
 
 def _is_active(group) -> bool:
@@ -149,22 +164,43 @@ class _Slot:
         return math.prod(self.shape)
 
 
-def _buckets(slots: list[_Slot], bucket_bytes: int) -> list[list[_Slot]]:
-    """The slots grouped by (dtype, device), in order, cut into runs of at most ``bucket_bytes``
-    (a single larger slot gets a bucket of its own)."""
-    by_kind: dict[tuple, list[_Slot]] = {}
+@dataclass
+class _Pending:
+    """A bucket whose collective has run: its received presence flags (one per slot, read on
+    the host together with every other bucket's) and what to do with them."""
+
+    flags: torch.Tensor
+    settle: Callable[[list[bool]], None]
+
+
+def _settle(pending: list[_Pending]) -> None:
+    """Read the presence flags of every bucket with one host copy, then unpack the buckets."""
+    if not pending:
+        return
+    present = torch.cat([p.flags.ne(0) for p in pending]).tolist()
+    start = 0
+    for p in pending:
+        p.settle(present[start:start + p.flags.numel()])
+        start += p.flags.numel()
+
+
+def _buckets(slots: list, bucket_bytes: int, nbytes: Callable,
+             kind: Callable = lambda s: (s.dtype, s.device)) -> list[list]:
+    """The slots grouped by ``kind`` (default: dtype and device), in order, cut into runs of at
+    most ``bucket_bytes`` (``nbytes(slot)`` each; a single larger slot gets a bucket of its
+    own)."""
+    by_kind: dict[tuple, list] = {}
     for slot in slots:
-        by_kind.setdefault((slot.dtype, slot.device), []).append(slot)
+        by_kind.setdefault(kind(slot), []).append(slot)
     buckets = []
     for kind_slots in by_kind.values():
         current, size = [], 0
         for slot in kind_slots:
-            nbytes = slot.numel * slot.dtype.itemsize
-            if current and size + nbytes > bucket_bytes:
+            if current and size + nbytes(slot) > bucket_bytes:
                 buckets.append(current)
                 current, size = [], 0
             current.append(slot)
-            size += nbytes
+            size += nbytes(slot)
         buckets.append(current)
     return buckets
 
@@ -177,16 +213,17 @@ def _store(slot: _Slot, value: torch.Tensor | None) -> None:
         slot.tensor.copy_(value)
 
 
-def _all_reduce_mean(slots: list[_Slot], group, bucket_bytes: int) -> int:
-    """Average the slots over the ranks of ``group``; returns the bytes sent per rank.
+def _all_reduce_mean(slots: list[_Slot], group, bucket_bytes: int) -> tuple[list[_Pending], int]:
+    """Average the slots over the ranks of ``group``: the issued buckets (settle them with
+    :func:`_settle`) and the bytes sent per rank.
 
     Each bucket is ``[presence flags (one per slot) | values]`` in the slots' dtype, summed in one
     all-reduce; a slot absent on every rank stays absent, one absent on some ranks counts as zero
     there (as DDP does), and the sum is divided by the world size.
     """
     world = dist.get_world_size(group)
-    sent = 0
-    for bucket in _buckets(slots, bucket_bytes):
+    pending, sent = [], 0
+    for bucket in _buckets(slots, bucket_bytes, lambda s: s.numel * s.dtype.itemsize):
         n = len(bucket)
         flat = torch.zeros(n + sum(s.numel for s in bucket), dtype=bucket[0].dtype,
                            device=bucket[0].device)
@@ -198,22 +235,44 @@ def _all_reduce_mean(slots: list[_Slot], group, bucket_bytes: int) -> int:
             offset += slot.numel
         dist.all_reduce(flat, group=group)
         sent += flat.numel() * flat.element_size()
-        present = flat[:n].ne(0).tolist()
-        offset = n
-        for slot, here in zip(bucket, present, strict=True):
-            value = flat[offset:offset + slot.numel].view(slot.shape).div_(world)
-            _store(slot, value if here else None)
-            offset += slot.numel
-    return sent
+
+        def settle(present, bucket=bucket, flat=flat, n=n):
+            offset = n
+            for slot, here in zip(bucket, present, strict=True):
+                value = flat[offset:offset + slot.numel].view(slot.shape).div_(world)
+                _store(slot, value if here else None)
+                offset += slot.numel
+
+        pending.append(_Pending(flat[:n], settle))
+    return pending, sent
 
 
 def _sketch_slot(layer) -> _Slot:
     return _Slot(layer.sketch, tuple(layer.sketch_shape), torch.float32,
-                 layer.weight.device, lambda t: setattr(layer, "sketch", t))
+                 layer.projection.device, lambda t: setattr(layer, "sketch", t))
 
 
 def _grad_slot(p: torch.Tensor) -> _Slot:
     return _Slot(p.grad, tuple(p.shape), p.dtype, p.device, lambda t: setattr(p, "grad", t))
+
+
+def _check_no_dense_grad(p: torch.Tensor, owner) -> None:
+    """A sketched weight's ``.grad``: refused beside a sketch (DDP), or, all zeros (what
+    ``torch.distributed.checkpoint`` sets to build its load template), taken as a zero sketch."""
+    if p.grad is None:
+        return
+    if owner.sketch is not None:
+        raise RuntimeError(
+            "a compressed weight has a dense .grad as well as a sketch, which happens when the "
+            f"model is wrapped in DistributedDataParallel. {_DDP_HINT}")
+    grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+    if bool(grad.any()):  # a host read, on this path only
+        raise RuntimeError(
+            f"a sketched weight {tuple(p.shape)} has a non-zero dense .grad: rgc trains it from "
+            "its sketch only. Something other than its forward computed with it (or wrote its "
+            ".grad); leave the weight to rgc, or rgc.unwrap(model) to train it densely")
+    owner.sketch = torch.zeros(owner.sketch_shape, dtype=torch.float32, device=grad.device)
+    p.grad = None
 
 
 def _replicated_slots(params: list[torch.Tensor]) -> list[_Slot]:
@@ -225,10 +284,7 @@ def _replicated_slots(params: list[torch.Tensor]) -> list[_Slot]:
         if layer is None:
             slots.append(_grad_slot(p))
             continue
-        if p.grad is not None and layer.sketch is not None:
-            raise RuntimeError(
-                "a compressed weight has a dense .grad as well as a sketch, which happens when the "
-                f"model is wrapped in DistributedDataParallel. {_DDP_HINT}")
+        _check_no_dense_grad(p, layer)
         slots.append(_sketch_slot(layer))
     return slots
 
@@ -241,12 +297,13 @@ def all_reduce_sketches(model_or_optimizer, *, group=None,
     """Average sketches and gradients over the ranks of ``group``; call between backward and step.
 
     For every trainable parameter of ``model_or_optimizer`` (a module, or an optimizer's param
-    groups) that is not a DTensor: a CompressedLinear weight contributes its sketch (d x r FP32),
-    any other parameter its ``.grad``. They are flattened into buckets of at most ``bucket_mb``
-    MiB per dtype (not one collective per layer), all-reduced in a fixed order, and divided by
-    the world size, so every rank ends with the same bits. The first call for an object runs
-    :func:`check_seeds` on it. :class:`DistributedRGCOptimizer` calls this in ``step()``; the
-    function is for pairing an rgc model with another optimizer.
+    groups) that is not a DTensor: a sketched weight contributes its sketch (d x r FP32, or
+    E x d x r for a stack of experts), any other parameter its ``.grad``. They are flattened into
+    buckets of at most ``bucket_mb`` MiB per dtype (not one collective per layer), all-reduced in
+    a fixed order, and divided by the world size, so every rank ends with the same bits. The
+    presence flags of all buckets are read with one host copy. The first call for an object runs
+    :func:`check_seeds` on it. The distributed optimizers call this in ``step()``; the function
+    is for pairing an rgc model with another optimizer.
 
     Do not also wrap the model in ``DistributedDataParallel``. A compressed weight never gets a
     gradient from autograd, yet DDP still all-reduces a d x k buffer for it (zeros; with
@@ -257,17 +314,19 @@ def all_reduce_sketches(model_or_optimizer, *, group=None,
     Returns the bytes this rank passed to all-reduce (sketches, gradients and one presence flag
     per tensor); 0 without an initialised process group of more than one rank.
     """
-    if not bucket_mb > 0:
-        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
+    _check_bucket_mb(bucket_mb)
     params = _params_of(model_or_optimizer)
     if not _is_active(group):
         return 0
     if model_or_optimizer not in _VERIFIED:
         check_seeds(model_or_optimizer, group=group)
         _VERIFIED.add(model_or_optimizer)
-    slots = _replicated_slots(params)
-    return _all_reduce_mean(slots, group, int(bucket_mb * 2**20))
+    pending, sent = _all_reduce_mean(_replicated_slots(params), group, int(bucket_mb * 2**20))
+    _settle(pending)
+    return sent
 
+
+# ------------------------------------------------------------------------- row shards
 
 def _row_range(p: DTensor) -> tuple[int, int]:
     """First global row and row count of this rank's ``Shard(0)`` piece (``torch.chunk`` rule)."""
@@ -289,21 +348,116 @@ def _check_sharded(p: DTensor) -> None:
             f"Shard(0)); got placements {tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh")
 
 
-def _reduce_scatter_rows(items: list[tuple[DTensor, object]], group,
-                         bucket_bytes: int) -> tuple[dict[int, torch.Tensor], int]:
+class RowShard:
+    """The rows ``[first_row, first_row + rows)`` of a sketched 2-D weight that this rank holds
+    (a ``Shard(0)`` DTensor), seen through the owner interface (:class:`rgc.sketched.
+    SketchedWeight`): ``weight_matrices()`` is ``[1, rows, k]`` (a view of the local shard),
+    ``sketch_matrices()`` ``[1, rows, r]`` (the reduce-scattered, averaged rows), and
+    ``out_features`` is ``rows``. Everything else (projection, seeds, version, refresh, the
+    whole sketch) is the owner's, reads and writes alike, so the rule's projection refresh and
+    bookkeeping act on the owner."""
+
+    num_matrices = 1
+
+    def __init__(self, owner, weight_rows: torch.Tensor, sketch_rows: torch.Tensor,
+                 first_row: int):
+        vars(self).update(owner=owner, weight_rows=weight_rows, sketch_rows=sketch_rows,
+                          first_row=first_row, out_features=weight_rows.shape[0])
+
+    @property
+    def sketch_shape(self) -> tuple[int, int]:
+        return tuple(self.sketch_rows.shape)
+
+    def weight_matrices(self) -> torch.Tensor:
+        return self.weight_rows.unsqueeze(0)
+
+    def sketch_matrices(self) -> torch.Tensor:
+        return self.sketch_rows.unsqueeze(0)
+
+    def __getattr__(self, name):
+        return getattr(vars(self)["owner"], name)
+
+    def __setattr__(self, name, value):
+        setattr(self.owner, name, value)
+
+
+class LocalState(MutableMapping):
+    """The optimizer state of a ``Shard(0)`` parameter as this rank's rows.
+
+    A state tensor whose first dimension is the parameter's local row count (RowAdam's moments:
+    ``rows x r``, ``rows``; a dense parameter's elementwise moments) is stored as a ``Shard(0)``
+    DTensor on the parameter's mesh, so that ``torch.distributed.checkpoint`` saves and reshards
+    it like FSDP's own state, and reads as its local rows (a view: in-place updates stay in
+    it). Anything else (step counts, 0-dim counters) is stored as it is.
+    """
+
+    def __init__(self, state: dict, param: DTensor):
+        self._state, self._param = state, param
+        self._rows = param.to_local().shape[0]
+
+    def __getitem__(self, key):
+        value = self._state[key]
+        return value.to_local() if isinstance(value, DTensor) else value
+
+    def __setitem__(self, key, value):
+        if (torch.is_tensor(value) and not isinstance(value, DTensor) and value.dim() >= 1
+                and value.shape[0] == self._rows):
+            shape = (self._param.shape[0], *value.shape[1:])
+            value = DTensor.from_local(value.contiguous(), self._param.device_mesh, [Shard(0)],
+                                       run_check=False, shape=shape,
+                                       stride=torch.empty(shape, device="meta").stride())
+        self._state[key] = value
+
+    def __delitem__(self, key):
+        del self._state[key]
+
+    def __iter__(self):
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+
+@dataclass
+class ShardEntry(Entry):
+    """An :class:`rgc.optim.base.Entry` of this rank's rows of a ``Shard(0)`` parameter:
+    ``param`` is a view of the local rows (with the local ``.grad`` for a dense parameter),
+    ``owner`` a :class:`RowShard`, ``state`` a :class:`LocalState`; ``whole`` is the DTensor
+    parameter and ``index`` its position among the optimizer's parameters (the order in which
+    ranks communicate about it)."""
+
+    index: int = 0
+    whole: DTensor | None = None
+
+
+@dataclass
+class _ShardRecord:
+    """A kept update of a row shard: the local update, the entry, this rank's share of the
+    fingerprint of the whole parameter before the update, and the projection seed used."""
+
+    update: LowRankUpdate | DenseUpdate
+    entry: ShardEntry
+    base_share: torch.Tensor
+    projection_seed: int | None
+
+
+def _reduce_scatter_rows(items: list[tuple[DTensor, object]], group, bucket_bytes: int,
+                         local: dict) -> tuple[list[_Pending], int]:
     """Sum the sketches over ranks and keep this rank's rows, divided by the world size.
 
-    Returns ``{id(param): local sketch rows}`` for the layers with a sketch on some rank, and
-    the bytes this rank passed to reduce-scatter. Each bucket is a (world x width) FP32 matrix
-    whose row i holds, per layer, a presence flag and the ``ceil(d / world)`` sketch rows owned by
-    rank i (zero padded, like FSDP2's own padding).
+    Settling the returned buckets puts ``local[id(param)]`` = the local sketch rows for every
+    layer with a sketch on some rank (a layer with a sketch elsewhere only gets a zero sketch
+    here, so that it takes the step); the bytes this rank passed to reduce-scatter are returned.
+    Each bucket is a (world x width) FP32 matrix whose row i holds, per layer, a presence flag
+    and the ``ceil(d / world)`` sketch rows owned by rank i (zero padded, like FSDP2's own
+    padding).
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     slots = [_sketch_slot(layer) for _, layer in items]
-    owner = {id(slot): p for slot, (p, _) in zip(slots, items, strict=True)}
-    local, sent = {}, 0
-    for bucket in _buckets(slots, bucket_bytes):
+    owner_of = {id(slot): item for slot, item in zip(slots, items, strict=True)}
+    pending, sent = [], 0
+    for bucket in _buckets(slots, bucket_bytes, lambda s: s.numel * 4):
         n = len(bucket)
         chunks = [-(-s.shape[0] // world) for s in bucket]
         width = n + sum(c * s.shape[1] for c, s in zip(chunks, bucket, strict=True))
@@ -319,59 +473,110 @@ def _reduce_scatter_rows(items: list[tuple[DTensor, object]], group,
         out = torch.empty(width, dtype=torch.float32, device=inp.device)
         reduce_scatter(out, inp.view(-1), group=group)
         sent += inp.numel() * inp.element_size()
-        present = out[:n].ne(0).tolist()
-        offset = n
-        for slot, chunk, here in zip(bucket, chunks, present, strict=True):
-            d, r = slot.shape
-            rows = max(0, min(chunk, d - rank * chunk))
-            if here:
-                local[id(owner[id(slot)])] = out[offset:offset + rows * r].view(rows, r) / world
-            offset += chunk * r
-    return local, sent
+
+        def settle(present, bucket=bucket, chunks=chunks, out=out, n=n):
+            offset = n
+            for slot, chunk, here in zip(bucket, chunks, present, strict=True):
+                d, r = slot.shape
+                rows = max(0, min(chunk, d - rank * chunk))
+                p, layer = owner_of[id(slot)]
+                if here:
+                    local[id(p)] = out[offset:offset + rows * r].view(rows, r).div_(world)
+                    if layer.sketch is None:
+                        layer.sketch = torch.zeros(slot.shape, dtype=torch.float32,
+                                                   device=out.device)
+                offset += chunk * r
+
+        pending.append(_Pending(out[:n], settle))
+    return pending, sent
 
 
-class DistributedRGCOptimizer(RGCOptimizer):
-    """:class:`rgc.RGCOptimizer` for data parallel and FSDP2 training on ``torch.distributed``.
+def _all_gather_rows(items: list[tuple[torch.Tensor, int]], group, bucket_bytes: int
+                     ) -> tuple[list[torch.Tensor], int]:
+    """The whole ``d x c`` FP32 tensors of ``Shard(0)`` row shards: ``items`` are
+    ``(local rows x c, d)``, the same list (in the same order) on every rank. Bucketed
+    all-gathers of the local rows, each padded to ``ceil(d / world)``; returns the tensors and
+    the bytes this rank sent."""
+    world = dist.get_world_size(group)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    chunks = [-(-d // world) * t.shape[1] for t, d in items]
+    whole: list[torch.Tensor | None] = [None] * len(items)
+    sent = 0
+    for bucket in _buckets(list(range(len(items))), bucket_bytes, lambda i: chunks[i] * 4,
+                           lambda i: items[i][0].device):
+        width = sum(chunks[i] for i in bucket)
+        device = items[bucket[0]][0].device
+        inp = torch.zeros(width, dtype=torch.float32, device=device)
+        offset = 0
+        for i in bucket:
+            t = items[i][0]
+            inp[offset:offset + t.numel()].copy_(t.reshape(-1))
+            offset += chunks[i]
+        out = torch.empty(world * width, dtype=torch.float32, device=device)
+        all_gather(out, inp, group=group)
+        sent += inp.numel() * inp.element_size()
+        rows = out.view(world, width)
+        offset = 0
+        for i in bucket:
+            t, d = items[i]
+            c = t.shape[1]
+            whole[i] = rows[:, offset:offset + chunks[i]].reshape(-1, c)[:d]
+            offset += chunks[i]
+    return whole, sent
 
-    Same update, arguments and state as ``RGCOptimizer``; ``step()`` first communicates:
 
-    * parameters that are plain tensors (data parallel, every rank holds them whole): sketches
-      of compressed weights (d x r FP32) and gradients of the others are averaged over
-      ``group`` with :func:`all_reduce_sketches` (bucketed, fixed order), then updated as by
-      ``RGCOptimizer``. All ranks end bit-identical.
+# ------------------------------------------------------------------------ the step
+
+class DistributedStep:
+    """The communication of a distributed step, around a single-process rgc optimizer's rule.
+
+    Mixed in before a :class:`rgc.optim.SketchOptimizer` subclass
+    (``class DistributedRowAdam(DistributedStep, RowAdam)``), it takes that optimizer's
+    arguments (``step_control`` and ``keep_updates`` included) plus ``group=`` and
+    ``bucket_mb=``, and adds to its step only what crossing processes needs:
+
+    * parameters that are plain tensors (data parallel: every rank holds them whole): the
+      sketches of sketched weights (d x r FP32, ``E x d x r`` for a stack of experts) and the
+      gradients of the others are averaged over ``group`` before the rule runs (bucketed
+      all-reduces in a fixed order, see :func:`all_reduce_sketches`); every rank then runs
+      the rule on the same bits.
     * ``Shard(0)`` DTensor parameters (FSDP2's ``fully_shard`` after ``rgc.wrap``): the sketches
-      are reduce-scattered so that each rank holds the ``C`` rows of the weight rows it owns; the
-      squared norms ``||W||^2``, ``||H||^2 = sum((C G) * C)`` with ``G = P^T P`` (r x r), and a
-      non-finite count are summed with one all-reduce of three FP32 scalars per parameter; each
-      rank then updates its rows through ``rgc.ops.lowrank_update_`` with rounding offset
-      ``first_row * k``, exactly the bits those rows get in the unsharded update. No rank forms
-      more than ``chunk_rows x k`` of ``H`` (the kernel path none at all), nor a d x k gradient.
-      Other trainable DTensor parameters use FSDP's averaged ``.grad`` with the same
-      normalised rule, computed on the local shard with all-reduced norms.
+      are reduce-scattered, so each rank holds the sketch rows of the weight rows it owns, and
+      the rule runs on those rows only (a :class:`RowShard` view of the weight, a
+      :class:`LocalState` view of its state: RowAdam's moments are ``rows x r`` and ``rows``).
+      The sums the rule's coefficients need (:class:`rgc.optim.base.Partials`: ``||W||^2``,
+      ``||H||^2 = sum((C P^T P) * C)``, non-finite counts) are summed over the ranks with one
+      all-reduce for all sharded parameters, so every rank forms the same coefficients; the
+      rows are written with rounding offset ``first_row * k``, the bits they get in the
+      unsharded update. No rank forms more than ``chunk_rows x k`` of ``H`` (the kernel none),
+      nor a d x k gradient. Other trainable DTensor parameters take FSDP's averaged ``.grad``
+      through the same rule on their local rows.
+
+    A step controller (:class:`rgc.PredictedKL`) sees whole updates: under FSDP2 the d x r
+    factors of the row shards are all-gathered for it (never a d x k tensor), and it sums its
+    probe statistics over the ranks with :meth:`sum_over_ranks`, so every rank applies the
+    same ``alpha``. Each rank probes its own batch (set with ``set_probe`` on every rank): the
+    KL is the mean over all ranks' probe tokens. Under FSDP2 it needs every trainable sharded
+    parameter to be sketched (checked at construction).
+
+    ``export_update(model)`` gives the payload of the whole model on every rank; under FSDP2
+    it is collective (every rank calls it): the factors of the row shards are all-gathered
+    (d x r), and the fingerprints of the whole weights summed from each rank's share.
 
     Construction runs :func:`check_seeds` (one all-gather of a few int64) on the optimizer.
+    ``last_comm_bytes`` holds the bytes this rank passed to collectives in the last ``step()``,
+    ``last_export_bytes`` those of the last ``export_update()``.
 
-    Args:
-        params, lr, chunk_rows, stochastic_rounding, seed, maximize: as
-            :class:`rgc.RGCOptimizer`
-            (``step_control`` and ``keep_updates`` are not supported here and raise).
-        group: process group for the plain-tensor parameters (default: the whole world); the
-            sharded ones use their device mesh's group.
-        bucket_mb: largest bucket of one collective, in MiB.
-
-    ``last_comm_bytes`` holds the bytes this rank passed to the collectives in the last step.
+    Not supported (raise at construction): 2-D meshes (HSDP, tensor parallel) and placements
+    other than ``Shard(0)``; FSDP2-sharded stacks of experts (their sketches are ``E x d x r``
+    and ``fully_shard`` gives each rank whole experts: keep the experts' weights whole with
+    ``fully_shard(..., ignored_params=...)``, and they are averaged as in data parallel).
     """
 
-    def __init__(self, params, lr: float | torch.Tensor = 1e-3, *, group=None,
-                 bucket_mb: float = DEFAULT_BUCKET_MB, **kwargs):
-        for unsupported in ("step_control", "keep_updates"):
-            if kwargs.get(unsupported):
-                raise NotImplementedError(
-                    f"DistributedRGCOptimizer does not support {unsupported}= yet; use "
-                    "all_reduce_sketches() with a single-process rgc optimizer instead")
-        super().__init__(params, lr, **kwargs)
-        if not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
+    def __init__(self, params, *args, group=None, bucket_mb: float = DEFAULT_BUCKET_MB,
+                 **kwargs):
+        _check_bucket_mb(bucket_mb)
+        super().__init__(params, *args, **kwargs)
         self._group = group
         self._bucket_bytes = int(bucket_mb * 2**20)
         sharded = [p for p in _params_of(self) if isinstance(p, DTensor)]
@@ -380,97 +585,222 @@ class DistributedRGCOptimizer(RGCOptimizer):
             owner = sketched_owner_of(p)
             if owner is not None and owner.num_matrices > 1:
                 raise NotImplementedError(
-                    f"a sketched stack of {owner.num_matrices} experts is sharded by FSDP2 "
-                    "(fully_shard); DistributedRGCOptimizer updates expert stacks under data "
-                    "parallel only: leave the experts modules out of fully_shard, or train "
-                    "them on one process")
+                    f"a sketched stack of {owner.num_matrices} experts {tuple(p.shape)} is "
+                    f"sharded by FSDP2 (fully_shard); {type(self).__name__} updates row shards "
+                    "of 2-D weights and whole expert stacks: keep the experts' weights whole "
+                    "with fully_shard(module, ignored_params={...}) (they are then averaged "
+                    "as in data parallel), or train them on one process")
+            if self.step_control is not None and owner is None and p.requires_grad:
+                raise NotImplementedError(
+                    f"step_control under FSDP2 needs every trainable sharded parameter to be "
+                    f"sketched; {tuple(p.shape)} is not: the controller's forward-mode probe "
+                    "cannot put a tangent on a parameter FSDP2 gathers itself. Freeze it "
+                    "(rgc.wrap(..., freeze_others=True), the default) or keep it whole with "
+                    "fully_shard(..., ignored_params=...)")
         if any(p.device_mesh != sharded[0].device_mesh for p in sharded):
             raise NotImplementedError("all sharded parameters must share one device mesh")
         self._mesh_group = sharded[0].device_mesh.get_group() if sharded else None
+        self._local_rows: dict[int, torch.Tensor] = {}
+        self._shards: dict[int, ShardEntry] = {}
         self.last_comm_bytes = 0
-        check_seeds(self, group=self._mesh_group if sharded else group)
+        self.last_export_bytes = 0
+        check_seeds(self, group=self._train_group)
 
-    def _init_state(self, p, layer):
-        # Always with the layer's seed and version: torch.distributed.checkpoint builds its load
-        # template from a step with zero dense gradients, and loads only the keys it finds there.
-        return super()._init_state(p, layer if layer is not None else sketched_owner_of(p))
+    @property
+    def _train_group(self):
+        """The group the model trains over: the mesh's under FSDP2, else ``group``."""
+        return self._mesh_group if self._mesh_group is not None else self._group
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Average (or reduce-scatter) sketches and gradients, then update. Returns the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        params = [p for g in self.param_groups for p in g["params"]]
+    # -- communication before the rule ----------------------------------------------------
+    def _gather(self):
+        """Average the replicated sketches and gradients, reduce-scatter the sharded sketches
+        (the presence flags of all buckets read with one host copy), then gather as one
+        process does, with row-shard entries for the sharded parameters."""
         self.last_comm_bytes = 0
+        self._shards = {}
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        for p in params:
+            owner = sketched_owner_of(p)
+            if owner is not None:
+                _check_no_dense_grad(p, owner)
+        pending = []
         if _is_active(self._group):
-            self.last_comm_bytes += _all_reduce_mean(_replicated_slots(params), self._group,
-                                                     self._bucket_bytes)
-        entries = [(i, p, g) for i, (p, g) in enumerate(
-            (p, g) for g in self.param_groups for p in g["params"])]
-        sharded = [(i, p, g) for i, p, g in entries if isinstance(p, DTensor) and p.requires_grad]
-        stacks, dense = self._gather(exclude=lambda p: isinstance(p, DTensor))
-        finished = self._step_sharded(sharded) if sharded else []
-        self._step_entries((stacks, dense), None, None)
-        self._finish([finished])
-        self.steps_taken += 1
-        return loss
+            pending, sent = _all_reduce_mean(_replicated_slots(params), self._group,
+                                             self._bucket_bytes)
+            self.last_comm_bytes += sent
+        sharded = [(p, sketched_owner_of(p)) for p in params if isinstance(p, DTensor)]
+        sharded = [(p, owner) for p, owner in sharded if owner is not None]
+        if sharded and _is_active(self._mesh_group):
+            more, sent = _reduce_scatter_rows(sharded, self._mesh_group, self._bucket_bytes,
+                                              self._local_rows)
+            pending += more
+            self.last_comm_bytes += sent
+        else:  # one rank holds every row
+            self._local_rows.update({id(p): owner.sketch for p, owner in sharded
+                                     if owner.sketch is not None})
+        _settle(pending)
+        try:
+            return super()._gather()
+        finally:
+            self._local_rows = {}
 
-    def _step_sharded(self, entries: list) -> list[Entry]:
-        """Update the local rows of every sharded parameter; returns the compressed ones'
-        entries, to be finished (sketch cleared, projection refreshed) with the others."""
-        compressed = [(p, compressed_layer_of(p)) for _, p, _ in entries]
-        compressed = [(p, layer) for p, layer in compressed if layer is not None]
-        local, sent = _reduce_scatter_rows(compressed, self._mesh_group, self._bucket_bytes)
-        self.last_comm_bytes += sent
-        work, sums = [], []
-        for index, p, group in entries:
-            layer = compressed_layer_of(p)
-            start, rows = _row_range(p)
-            w_local = p.to_local()
-            if layer is not None and id(p) in local:
-                c_local = local[id(p)]
-                proj = layer.projection.to(torch.float32)
-                h2 = ((c_local @ (proj.t() @ proj)) * c_local).sum()
-                bad = (~torch.isfinite(c_local)).sum()
-                work.append((index, p, group, layer, c_local, start))
-            elif p.grad is not None:
-                g_local = p.grad.to_local()
-                h2 = g_local.to(torch.float32).square().sum()
-                bad = (~torch.isfinite(g_local)).sum()
-                work.append((index, p, group, None, g_local, start))
+    def _entry(self, p, owner, group, index):
+        entry = super()._entry(p, owner, group, index)
+        if not isinstance(p, DTensor):
+            return entry
+        first_row, _ = _row_range(p)
+        local = p.to_local()  # a view of this rank's rows
+        view = None
+        if owner is not None:
+            view = RowShard(owner, local, self._local_rows.pop(id(p)), first_row)
+        else:
+            local.grad = p.grad.to_local()
+        shard = ShardEntry(local, view, group, LocalState(entry.state, p), entry.seed,
+                           first_row * math.prod(p.shape[1:]), index=index, whole=p)
+        self._shards[id(local)] = shard
+        return shard
+
+    def _sum_partials(self, measured) -> None:
+        """Sum the row shards' partial sums over the mesh: one all-reduce, in parameter order
+        (the same on every rank, whatever the grouping by local shape)."""
+        rows = sorted(((e.index, partials, m) for entries, partials in measured
+                       for m, e in enumerate(entries) if isinstance(e, ShardEntry)),
+                      key=lambda row: row[0])
+        if not rows or not _is_active(self._mesh_group):
+            return
+        names = [sorted(partials.sums) for _, partials, _ in rows]
+        flat = torch.cat([t for (_, partials, m), row_names in zip(rows, names, strict=True)
+                          for t in [(~partials.finite[m]).to(torch.float32),
+                                    *(partials[name][m] for name in row_names)]])
+        dist.all_reduce(flat, group=self._mesh_group)
+        self.last_comm_bytes += flat.numel() * flat.element_size()
+        offset = 0
+        for (_, partials, m), row_names in zip(rows, names, strict=True):
+            width = partials.finite.shape[1]
+            partials.finite[m] = flat[offset:offset + width] == 0  # no rank saw a non-finite
+            offset += width
+            for name in row_names:
+                partials[name][m] = flat[offset:offset + width]
+                offset += width
+
+    def _record_sq_norm(self, entry, norm) -> None:
+        # a row shard's ||W||^2 is this rank's partial sum: it is recomputed from the rows each
+        # step rather than kept, so that no per-rank value enters the (checkpointed) state
+        if not isinstance(entry, ShardEntry):
+            super()._record_sq_norm(entry, norm)
+
+    def _finish(self, stacks) -> None:
+        super()._finish(stacks)
+        self._shards = {}
+
+    # -- step control ----------------------------------------------------------------------
+    def _whole_updates(self, updates: list) -> list:
+        """The controller's updates with each row shard's factor all-gathered (d x r)."""
+        shards = sorted(((self._shards[id(u.param)], i) for i, u in enumerate(updates)
+                         if id(u.param) in self._shards), key=lambda s: s[0].index)
+        if not shards:
+            return updates
+        whole = self._gathered([(updates[i].factor, e) for e, i in shards])
+        out = list(updates)
+        for (e, i), factor in zip(shards, whole, strict=True):
+            out[i] = _of_whole(updates[i], e, factor)
+        return out
+
+    def _gathered(self, items: list[tuple[torch.Tensor, ShardEntry]], *,
+                  export: bool = False) -> list[torch.Tensor]:
+        """The whole FP32 tensors of row shards' local values (``rows x ...`` each)."""
+        local = [(t.detach().reshape(t.shape[0], math.prod(t.shape[1:])).to(torch.float32),
+                  e.whole.shape[0]) for t, e in items]
+        if not _is_active(self._mesh_group):
+            whole = [t for t, _ in local]
+        else:
+            whole, sent = _all_gather_rows(local, self._mesh_group, self._bucket_bytes)
+            if export:
+                self.last_export_bytes += sent
             else:
+                self.last_comm_bytes += sent
+        return [w.reshape(e.whole.shape[0], *t.shape[1:]) for w, (t, e) in
+                zip(whole, items, strict=True)]
+
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the ranks that train the model (one all-reduce)."""
+        if not _is_active(self._train_group):
+            return values
+        values = values.clone()
+        dist.all_reduce(values, group=self._train_group)
+        self.last_comm_bytes += values.numel() * values.element_size()
+        return values
+
+    # -- sketch-sized sync -----------------------------------------------------------------
+    def _kept(self, update) -> list:
+        members = update.members() if isinstance(update, StackUpdate) else [update]
+        kept = []
+        for m in members:
+            shard = self._shards.get(id(m.param))
+            if shard is None:
+                kept += super()._kept(m)
                 continue
-            w_sq = sum_squares(w_local, chunk_rows=group["chunk_rows"])
-            sums.append(torch.stack([w_sq, h2, bad.to(torch.float32)]))
-        if not work:
-            return []
-        totals = torch.stack(sums)
-        dist.all_reduce(totals, group=self._mesh_group)
-        self.last_comm_bytes += totals.numel() * totals.element_size()
-        finished = []
-        for row, (index, p, group, layer, local_value, start) in enumerate(work):
-            state = self._init_state(p, layer)
-            state["step"] += 1
-            ok = totals[row, 2] == 0
-            state["skipped"] += ~ok
-            coef, _ = normalized_coef(totals[row, 0], totals[row, 1],
-                                      group_lr(group, totals.device), ok)
-            if group["maximize"]:
-                coef = -coef
-            seed = rounding_seed(group["seed"], index, int(state["step"]))
-            w_local = p.to_local()
-            row_len = w_local[0].numel() if w_local.dim() > 1 else 1
-            if layer is not None:
-                if w_local.shape[0]:
-                    apply_lowrank_update_(
-                        w_local, local_value, layer.projection, coef, seed=seed,
-                        offset=start * row_len, chunk_rows=group["chunk_rows"],
-                        stochastic_rounding=group["stochastic_rounding"])
-                finished.append(Entry(p, layer, group, state, seed))
+            if isinstance(m, LowRankUpdate):
+                m.factor = m.factor.clone()
+                seed = shard.owner.projection_seed
             else:
-                apply_dense_update_(w_local, local_value, coef, seed=seed,
-                                    offset=start * row_len,
-                                    stochastic_rounding=group["stochastic_rounding"])
-        return finished
+                m.direction = m.direction.detach().to(torch.float32, copy=True)
+                seed = None
+            kept.append(_ShardRecord(m, shard, fingerprint_tensor(shard.param, shard.offset),
+                                     seed))
+        return kept
+
+    def _payload_records(self) -> list[tuple]:
+        """Records of whole parameters: the row shards' factors (or dense directions)
+        all-gathered, and their fingerprints before and after summed from each rank's share."""
+        self.last_export_bytes = 0
+        records = [r for r in self.last_updates if not isinstance(r, _ShardRecord)]
+        shards = sorted((r for r in self.last_updates if isinstance(r, _ShardRecord)),
+                        key=lambda r: r.entry.index)
+        if not shards:
+            return records
+        values = [r.update.factor if isinstance(r.update, LowRankUpdate) else r.update.direction
+                  for r in shards]
+        whole = self._gathered([(v, r.entry) for v, r in zip(values, shards, strict=True)],
+                               export=True)
+        shares = torch.stack([torch.stack([r.base_share for r in shards]), torch.stack(
+            [fingerprint_tensor(r.entry.param, r.entry.offset) for r in shards])])
+        if _is_active(self._mesh_group):
+            dist.all_reduce(shares, group=self._mesh_group)
+            self.last_export_bytes += shares.numel() * shares.element_size()
+        shares = shares % _PRIME
+        for r, value, base, result in zip(shards, whole, shares[0], shares[1], strict=True):
+            records.append((_of_whole(r.update, r.entry, value), base, r.projection_seed,
+                            result))
+        return records
+
+
+def _of_whole(update: LowRankUpdate | DenseUpdate, entry: ShardEntry,
+              value: torch.Tensor) -> LowRankUpdate | DenseUpdate:
+    """A row shard's update as the update of the whole parameter, ``value`` being the
+    gathered factor (d x r) or dense direction."""
+    if isinstance(update, LowRankUpdate):
+        return dataclasses.replace(update, param=entry.whole, layer=entry.owner.owner,
+                                   factor=value)
+    return dataclasses.replace(update, param=entry.whole, direction=value, offset=0)
+
+
+class DistributedRGCOptimizer(DistributedStep, RGCOptimizer):
+    """:class:`rgc.RGCOptimizer` for data parallel and FSDP2 training on ``torch.distributed``.
+
+    Same update, arguments and state as ``RGCOptimizer`` (``step_control`` and
+    ``keep_updates`` included), plus ``group`` (process group of the plain-tensor parameters,
+    default the whole world; sharded ones use their device mesh's) and ``bucket_mb`` (largest
+    bucket of one collective, in MiB). See :class:`DistributedStep` for what crosses the
+    network. On one process (no process group) it is ``RGCOptimizer``.
+    """
+
+
+class DistributedRowAdam(DistributedStep, RowAdam):
+    """:class:`rgc.RowAdam` for data parallel and FSDP2 training on ``torch.distributed``.
+
+    Same update, arguments and state as ``RowAdam``, plus ``group`` and ``bucket_mb`` (see
+    :class:`DistributedRGCOptimizer`). Under FSDP2 the moments live with the rows each rank
+    owns (``exp_avg``: rows x r, ``exp_avg_sq``: rows, stored as ``Shard(0)`` DTensors), and
+    a rank's rows are updated with the bits of the unsharded update of those rows.
+    """

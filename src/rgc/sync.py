@@ -65,7 +65,6 @@ _CHUNK = 1 << 20
 _HASH_A, _HASH_B = 1_103_515_245, 12_345
 
 
-@torch.no_grad()
 def _share_words(bits: torch.Tensor, origin: torch.Tensor) -> torch.Tensor:
     """``sum bits_ij * ((n_ij A + B) mod M) mod M`` over a block of int16/int32 patterns
     (``bits`` 2-D, taken unsigned) at flat indices ``n_ij = (origin[0] + i) origin[2] +
@@ -78,6 +77,7 @@ def _share_words(bits: torch.Tensor, origin: torch.Tensor) -> torch.Tensor:
     return (values * ((index % _PRIME * _HASH_A + _HASH_B) % _PRIME) % _PRIME).sum()
 
 
+@torch.no_grad()
 def fingerprint_share(values: torch.Tensor, row0: int, col0: int, k: int) -> torch.Tensor:
     """The share of :func:`fingerprint` of a block of a ``d x k`` tensor (0-dim int64 on its
     device): ``values`` (BF16 or FP32, ``rows x cols``) at row ``row0``, column ``col0``. The
@@ -97,17 +97,23 @@ def fingerprint_share(values: torch.Tensor, row0: int, col0: int, k: int) -> tor
     return total
 
 
-def fingerprint_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """:func:`fingerprint` as a 0-dim int64 tensor on ``tensor``'s device (no host read)."""
+def fingerprint_tensor(tensor: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """:func:`fingerprint` as a 0-dim int64 tensor on ``tensor``'s device (no host read).
+
+    With ``offset``, ``tensor`` is a part of a larger one whose flat index ``offset + i`` is
+    its element ``i`` (a row shard): the result is that part's share, and the shares of all
+    parts add up, modulo ``2^31 - 1``, to the fingerprint of the whole.
+    """
     if tensor.dtype not in _DTYPES:
         raise TypeError(f"fingerprint supports {_DTYPES}, got {tensor.dtype}")
     flat = tensor.detach().reshape(-1)
     blocks = flat[:flat.numel() - flat.numel() % _CHUNK].view(-1, _CHUNK)
-    total = fingerprint_share(blocks, 0, 0, _CHUNK) if blocks.numel() else torch.zeros(
+    total = fingerprint_share(blocks, 0, offset, _CHUNK) if blocks.numel() else torch.zeros(
         (), dtype=torch.int64, device=flat.device)
     tail = flat[blocks.numel():]
     if tail.numel():
-        total = (total + fingerprint_share(tail.view(1, -1), 0, blocks.numel(), 0)) % _PRIME
+        share = fingerprint_share(tail.view(1, -1), 0, offset + blocks.numel(), 0)
+        total = (total + share) % _PRIME
     return total
 
 
@@ -152,20 +158,22 @@ def build_payload(model: nn.Module, records, step: int) -> dict[str, torch.Tenso
     """The payload of one step from the optimizer's kept updates.
 
     ``records``: ``[(update, fingerprint before (int or 0-dim tensor), projection seed or
-    None), ...]``. Records whose ``active`` flag is false (skipped for a non-finite input, or
-    no direction) are left out: the receiver's tensor stays as it is, as the trainer's did. Call it
-    before the next step: ``N/result`` is the fingerprint of each parameter as it is now.
+    None), ...]``, optionally with a fourth element, the fingerprint after (else it is taken
+    of the parameter as it is now: call this before the next step). Records whose ``active``
+    flag is false (skipped for a non-finite input, or no direction) are left out: the
+    receiver's tensor stays as it is, as the trainer's did.
 
     Use :meth:`rgc.RGCOptimizer.export_update` / :meth:`rgc.RowAdam.export_update`.
     """
-    active = to_host([update.active.any() if torch.is_tensor(update.active) else update.active
-                      for update, _, _ in records])
+    active = to_host([r[0].active.any() if torch.is_tensor(r[0].active) else r[0].active
+                      for r in records])
     records = [r for r, keep in zip(records, active, strict=True) if keep]
-    bases = to_host([base for _, base, _ in records])
+    bases = to_host([r[1] for r in records])
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     payload = {"rgc/format": torch.tensor([FORMAT_VERSION], dtype=torch.int64),
                "rgc/step": torch.tensor(step, dtype=torch.int64)}
-    for (update, _, projection_seed), base in zip(records, bases, strict=True):
+    for record, base in zip(records, bases, strict=True):
+        update, _, projection_seed = record[:3]
         name = names.get(id(update.param))
         if name is None:
             raise ValueError("an updated parameter is not a parameter of the given model; pass "
@@ -195,7 +203,8 @@ def build_payload(model: nn.Module, records, step: int) -> dict[str, torch.Tenso
         payload[f"{name}/seed"] = torch.tensor(update.seed, dtype=torch.int64)
         payload[f"{name}/options"] = torch.tensor(options, dtype=torch.int64)
         payload[f"{name}/base"] = torch.tensor(base, dtype=torch.int64)
-        payload[f"{name}/result"] = torch.tensor(fingerprint(p), dtype=torch.int64)
+        result = int(record[3]) if len(record) > 3 else fingerprint(p)
+        payload[f"{name}/result"] = torch.tensor(result, dtype=torch.int64)
     payload[CHECKSUM_KEY] = payload_checksum(payload)
     return payload
 

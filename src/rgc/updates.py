@@ -58,7 +58,9 @@ class StackUpdate:
 
     factors[m]: ``[E, d, r]`` FP32; coefs, decays (or ``None``: no decay), active: ``[M, E]``
     on the weights' device; seeds: the rounding seed of each member (matrix ``e`` continues
-    the flat index at ``e d k``). ``sq_norms`` (``[M, E]`` FP32) receives ``||W_new||_F^2``.
+    the flat index at ``e d k``); offsets: the flat index of each member's first element
+    (``None``: all 0; a row shard's ``first_row * k``). ``sq_norms`` (``[M, E]`` FP32) receives
+    ``||W_new||_F^2``.
     """
 
     params: list[torch.Tensor]
@@ -71,6 +73,7 @@ class StackUpdate:
     stochastic_rounding: bool
     active: torch.Tensor
     sq_norms: torch.Tensor | None = None
+    offsets: list[int] | None = None
     extra: dict = field(default_factory=dict)  # per-optimizer data carried to commit time
 
     def scale(self, alpha: float) -> None:
@@ -98,7 +101,7 @@ class StackUpdate:
         weights = [owner.weight_matrices() for owner in self.owners]
         m = len(weights)
         ops.lowrank_update_(weights, self.factors, [o.projection for o in self.owners],
-                            self.coefs, self.decays, self.seeds, [0] * m,
+                            self.coefs, self.decays, self.seeds, self.offsets or [0] * m,
                             [w.shape[2] for w in weights], self.stochastic_rounding,
                             self.chunk_rows, self.sq_norms)
 
@@ -108,7 +111,8 @@ class DenseUpdate:
     """``p <- p (1 - decay) - coef * direction`` for a parameter with an ordinary gradient.
 
     ``direction`` has ``p``'s shape (any float dtype; used in FP32). ``coef``, ``decay`` and
-    ``active`` are floats / 0-dim tensors as in :class:`LowRankUpdate`.
+    ``active`` are floats / 0-dim tensors as in :class:`LowRankUpdate`. ``offset``: the flat
+    index of ``p``'s first element in the whole parameter (a row shard's rounding bits).
     """
 
     param: torch.Tensor
@@ -118,6 +122,7 @@ class DenseUpdate:
     seed: int
     stochastic_rounding: bool
     active: bool | torch.Tensor = True
+    offset: int = 0
 
     def scale(self, alpha: float) -> None:
         if alpha != 1.0:
@@ -126,7 +131,8 @@ class DenseUpdate:
 
     def apply(self) -> None:
         apply_dense_update_(self.param, self.direction, self.coef, decay=self.decay,
-                            seed=self.seed, stochastic_rounding=self.stochastic_rounding)
+                            seed=self.seed, stochastic_rounding=self.stochastic_rounding,
+                            offset=self.offset)
 
 
 def as_coef(value: Scalar, device) -> torch.Tensor:

@@ -633,7 +633,7 @@ DENSE_STEP_TEMPORARIES: dict[tuple[str, str], float] = {
 #: Method name -> (plan, needs a rank, targets layers, supported under FSDP2).
 _METHODS = {
     "rgc": (_plan_sketch, True, True, True),
-    "rowadam": (_plan_sketch, True, True, False),
+    "rowadam": (_plan_sketch, True, True, True),
     "lora": (_plan_lora, True, True, True),
     "adamw": (_plan_adamw, False, False, True),
     "adamw-bf16": (_plan_bf16_dense, False, False, True),
@@ -707,11 +707,13 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
             :func:`rgc.compute.use_compute_dtype` with low-precision weights: adds the
             transient FP32 copies of :func:`compute_copy_bytes` (``compute_copies``).
         fsdp: per-GPU memory under FSDP2 over this many GPUs (1: no sharding). Weights,
-            gradients, master copy, optimizer state and adapters are divided by ``fsdp``;
-            rgc's sketches and projections are whole on every GPU; during forward and backward
-            the root module's parameters (embedding, final norm, untied lm_head) and two
-            decoder layers are gathered. Not for 'rowadam', 'galore', 'apollo' and
-            'apollo-mini', whose optimizers do not run on FSDP2's sharded parameters.
+            gradients, master copy, optimizer state and adapters are divided by ``fsdp``
+            (RowAdam's m and v live with the rows each GPU owns:
+            :class:`rgc.DistributedRowAdam`); rgc's sketches and projections are whole on
+            every GPU; during forward and backward the root module's parameters (embedding,
+            final norm, untied lm_head) and two decoder layers are gathered. Not for 'galore',
+            'apollo' and 'apollo-mini', whose optimizers do not run on FSDP2's sharded
+            parameters.
 
     Assumptions, per method (bytes per element in parentheses):
 
@@ -758,8 +760,8 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
         raise ValueError(f"fsdp must be a GPU count >= 1, got {fsdp!r}")
     if fsdp > 1 and not shardable:
         raise ValueError(f"method {method!r} has no FSDP2 memory model: its optimizer "
-                         "(RowAdam, galore-torch, apollo-torch) does not run on FSDP2's "
-                         "sharded parameters; use fsdp=1")
+                         "(galore-torch, apollo-torch) does not run on FSDP2's sharded "
+                         "parameters; use fsdp=1")
     if isinstance(model_or_config, nn.Module):
         spec = spec_from_module(model_or_config)
     elif isinstance(model_or_config, (dict, str, os.PathLike)):

@@ -95,7 +95,10 @@ def _compiled(fn):
 
     Under a dispatch mode (rgc's memory tracker, the tests' counters), which torch.compile
     does not trace, the loop runs with the modes switched off: one opaque computation that
-    writes its output and allocates nothing seen, with the bits it has outside the mode.
+    writes its output and allocates nothing seen, with the bits it has outside the mode. With
+    dynamo disabled (``TORCHDYNAMO_DISABLE=1``) ``fn`` runs eagerly: the compiled wrapper
+    would run it eagerly and only then raise (fullgraph found no frame), and as ``fn`` writes
+    in place a second, fallback run would apply it twice.
     """
     # One thread: the loop is short (a chunk of 128 rows), and an OpenMP pool of its own beside
     # torch's made the next LAPACK call wait ~10 ms for the other pool's spinning threads.
@@ -106,7 +109,7 @@ def _compiled(fn):
         if _python_dispatch._get_current_dispatch_mode() is not None:
             with _python_dispatch._disable_current_modes():
                 return run(*args)
-        if compiled is not fn:
+        if compiled is not fn and not torch._dynamo.config.disable:
             try:
                 return compiled(*args)
             except Exception as exc:  # no C++ compiler, unsupported platform

@@ -1,11 +1,16 @@
-"""What every rgc optimizer shares: gather, propose, scale, apply, refresh, record.
+"""What every rgc optimizer shares: gather, measure, propose, scale, apply, refresh, record.
 
-A step of a :class:`SketchOptimizer` proposes, for every parameter with a sketch or gradient,
-an update in factored form (:class:`LowRankUpdate` or :class:`DenseUpdate`), optionally lets
-a step controller scale all proposals by one ``alpha`` (see :class:`rgc.PredictedKL`), applies
+A step of a :class:`SketchOptimizer` measures, for every parameter with a sketch or gradient,
+the sums its rule needs (:class:`Partials`: finiteness, norms), then proposes an update
+in factored form (:class:`LowRankUpdate` or :class:`DenseUpdate`) from them, optionally lets a
+step controller scale all proposals by one ``alpha`` (see :class:`rgc.PredictedKL`), applies
 them, then clears sketches and, after the last update, refreshes projections. The same apply
 functions serve a sync receiver (:func:`rgc.apply_update`), which is why its weights match the
 trainer's bit for bit.
+
+Measuring and proposing are two phases so that a distributed optimizer
+(:mod:`rgc.distributed`) can sum the partial sums of row shards over its ranks, all
+parameters in one collective, in between; on one process nothing happens there.
 """
 
 from __future__ import annotations
@@ -27,19 +32,49 @@ from rgc.seeding import derive_seed
 from rgc.sync import build_payload, fingerprint_tensor
 from rgc.updates import DenseUpdate, LowRankUpdate, StackUpdate, to_host
 
-__all__ = ["DenseUpdate", "Entry", "LowRankUpdate", "SketchOptimizer", "StackUpdate",
-           "check_common_args", "rounding_seed"]
+__all__ = ["DenseUpdate", "Entry", "LowRankUpdate", "Partials", "SketchOptimizer",
+           "StackUpdate", "check_common_args", "rounding_seed"]
 
 
 @dataclass
 class Entry:
     """One parameter's share of a step: the Parameter, its owner (``None`` for a dense
-    gradient), its param group and state, and the rounding seed of this update."""
+    gradient), its param group and state, and the rounding seed of this update.
+
+    ``offset`` is the flat index of the first element the entry holds in the whole parameter
+    (0; a distributed optimizer's row shard starts at ``first_row * row length``), so that its
+    elements get the rounding bits they have in the whole parameter.
+    """
     param: torch.Tensor
     owner: object
     group: dict
     state: dict
     seed: int
+    offset: int = 0
+
+
+@dataclass
+class Partials:
+    """The statistics a rule forms its coefficients from, over a weight's elements.
+
+    ``finite`` is ``[M, E]`` bool (M parameters of E matrices each; a dense parameter is one
+    ``1 x 1``): no non-finite value in the matrix's sketch or gradient. ``sums`` maps a name
+    to an ``[M, E]`` FP32 tensor of what the rule needs, e.g. ``sketch`` (``||C P^T||^2``)
+    and ``weight`` (``||W||^2``). On one process they cover the whole weight. A distributed
+    optimizer whose ranks hold rows of a weight combines them over those ranks (one
+    collective for all parameters of a step) before the proposal reads them: ``finite`` as
+    the number of ranks that saw a non-finite value, every entry of ``sums`` summed, so each
+    must be additive over rows.
+    """
+    finite: torch.Tensor
+    sums: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, finite: torch.Tensor, **sums: torch.Tensor) -> Partials:
+        return cls(finite, sums)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.sums[name]
 
 
 def _refresh_due(refresh, step: int) -> bool:
@@ -110,14 +145,16 @@ def _called_from_grad_norm_loop() -> bool:
 
 
 class SketchOptimizer(Optimizer):
-    """Base of the rgc optimizers. Subclasses implement ``_propose_lowrank`` and
-    ``_propose_dense`` (return an update or ``None`` for "no change"), and may override
-    ``_refresh`` to carry state into a new projection.
+    """Base of the rgc optimizers. Subclasses implement ``_stack_partials`` and
+    ``_propose_stack`` (sketched weights, grouped by shape), may extend ``_dense_partials``,
+    implement ``_propose_dense`` (return an update or ``None`` for "no change"), and may
+    override ``_refresh_projections`` to carry state into a new projection.
 
     ``step()`` reads nothing on the host unless a step controller is set: the finiteness test
-    of each sketch or gradient is a 0-dim bool tensor ``ok`` handed to the proposal, whose
-    coefficients are 0 on the device where it is false (the weight then stays bit-identical),
-    and ``state[p]['skipped']`` is a 0-dim int64 counter on the parameter's device. Read the
+    of each sketch or gradient is a bool tensor handed to the proposal (``Partials.finite``),
+    whose coefficients are 0 on the device where it is false (the weight then stays
+    bit-identical), and ``state[p]['skipped']`` is a 0-dim int64 counter on the parameter's
+    device. Read the
     counters with :meth:`skipped_updates` (or ``state_dict()``, which stores them as ints).
     With a controller, the active flags of all proposals are read once per step.
 
@@ -219,19 +256,36 @@ class SketchOptimizer(Optimizer):
                 setattr(self, name, hooks)
 
     # -- subclass interface -------------------------------------------------------------
-    def _propose_stack(self, entries: list[Entry], group: dict) -> StackUpdate:
+    def _stack_partials(self, entries: list[Entry], group: dict) -> Partials:
+        """The sums the rule needs of sketched weights of one shape and param group
+        (``[M, E]`` each, over the rows each entry holds; see :class:`Partials`)."""
+        raise NotImplementedError
+
+    def _propose_stack(self, entries: list[Entry], group: dict,
+                       partials: Partials) -> StackUpdate:
         """The updates of sketched weights of one shape and param group, in one record.
 
-        Every entry has a sketch; the proposal decides finiteness on the device and must give
-        coefficients 0 (and ``active`` false) to a matrix with a non-finite sketch, counting
-        the skip with :meth:`_count_skips`.
+        ``partials`` are :meth:`_stack_partials`' sums over the whole weights (the skips of
+        non-finite sketches are already counted); the proposal must give coefficients 0 (and
+        ``active`` false) to a matrix whose sketch is not finite.
         """
         raise NotImplementedError
 
-    def _propose_dense(self, p, group, state, seed, ok) -> DenseUpdate | None:
+    def _dense_partials(self, entry: Entry) -> Partials:
+        """The sums the rule needs of a parameter with a dense ``.grad`` (``1 x 1`` each):
+        here whether the gradient is finite; subclasses add their sums."""
+        return Partials.of(torch.isfinite(entry.param.grad).all().reshape(1, 1))
+
+    def _propose_dense(self, p, group, state, seed, ok,
+                       partials: Partials) -> DenseUpdate | None:
         """The update of a parameter with a dense ``.grad``; ``ok`` (0-dim bool) is false for a
-        non-finite gradient, and the coefficients must then be 0 (and ``active`` false)."""
+        non-finite gradient, and the coefficients must then be 0 (and ``active`` false);
+        ``partials``: :meth:`_dense_partials`' sums over the whole parameter."""
         raise NotImplementedError
+
+    def _sum_partials(self, measured: list[tuple[list[Entry], Partials]]) -> None:
+        """Complete every entry's partial sums in place (one process: they are complete).
+        A distributed optimizer sums its row shards' over the ranks here."""
 
     def _refresh_projections(self, entries: list[Entry]) -> None:
         """Give every entry's owner its next ``P`` (the caller then renews the sketch slots).
@@ -249,7 +303,7 @@ class SketchOptimizer(Optimizer):
         return StackUpdate([e.param for e in entries], [e.owner for e in entries], factors,
                            coefs, decays, [e.seed for e in entries], group["chunk_rows"],
                            group["stochastic_rounding"], active, sq_norms,
-                           extra={"entries": entries})
+                           offsets=[e.offset for e in entries], extra={"entries": entries})
 
     def _init_state(self, p: torch.Tensor, layer) -> dict:
         # Seeds and step counts are Python ints, not tensors: Optimizer.load_state_dict casts
@@ -267,12 +321,6 @@ class SketchOptimizer(Optimizer):
             state["skipped"] = torch.tensor(int(state["skipped"]), dtype=torch.int64,
                                             device=p.device)
         return state
-
-    def _finite(self, state: dict, values: torch.Tensor) -> torch.Tensor:
-        """0-dim bool: all of ``values`` finite; counts a skip in ``state`` otherwise."""
-        ok = torch.isfinite(values).all()
-        state["skipped"] += ~ok
-        return ok
 
     @staticmethod
     def _count_skips(entries: list[Entry], finite: torch.Tensor) -> None:
@@ -327,9 +375,11 @@ class SketchOptimizer(Optimizer):
     def _record_sq_norms(self, update: StackUpdate, entries: list[Entry]) -> None:
         """Keep each weight's ``||W_new||^2`` (views of the update's ``sq_norms``)."""
         for m, e in enumerate(entries):
-            norm = update.sq_norms[m]
-            e.state["weight_sq_norm"] = norm[0] if e.param.dim() == 2 else norm
-            self._norm_versions[e.param] = e.param._version
+            self._record_sq_norm(e, update.sq_norms[m])
+
+    def _record_sq_norm(self, entry: Entry, norm: torch.Tensor) -> None:
+        entry.state["weight_sq_norm"] = norm[0] if entry.param.dim() == 2 else norm
+        self._norm_versions[entry.param] = entry.param._version
 
     # -- the step -----------------------------------------------------------------------
     @torch.no_grad()
@@ -365,23 +415,21 @@ class SketchOptimizer(Optimizer):
                 "rgc.integrations.clip_grad_norm_(optimizer, max_norm)", UserWarning,
                 stacklevel=3)
 
-    def _gather(self, exclude=None) -> tuple[dict, list[Entry]]:
+    def _gather(self) -> tuple[dict, list[Entry]]:
         """The step's work: sketched entries grouped by (param group, shape, dtypes, device),
-        and the entries with a dense gradient (parameters for which ``exclude(p)`` is true are
-        left out). Counts each parameter's step."""
+        and the entries with a dense gradient. Counts each parameter's step."""
         stacks: dict[tuple, list[Entry]] = {}
         dense: list[Entry] = []
         index = 0
         for g, group in enumerate(self.param_groups):
             for p in group["params"]:
                 index += 1
-                if exclude is not None and exclude(p):
-                    continue
                 owner = sketched_owner_of(p)
                 if owner is not None and owner.sketch is not None:
                     entry = self._entry(p, owner, group, index - 1)
-                    key = (g, owner.num_matrices, owner.out_features, owner.in_features,
-                           owner.rank, p.dtype, owner.projection.dtype, p.device)
+                    o = entry.owner  # the entry's view: all of the weight, or its rows here
+                    key = (g, o.num_matrices, o.out_features, o.in_features, o.rank,
+                           entry.param.dtype, o.projection.dtype, entry.param.device)
                     stacks.setdefault(key, []).append(entry)
                 elif p.grad is not None:
                     dense.append(self._entry(p, None, group, index - 1))
@@ -393,14 +441,26 @@ class SketchOptimizer(Optimizer):
         return Entry(p, owner, group, state, rounding_seed(group["seed"], index, state["step"]))
 
     def _step_entries(self, work: tuple[dict, list[Entry]], control, records) -> None:
-        """Propose, scale, apply and finish the gathered work (refreshes after every update)."""
+        """Measure, propose, scale, apply and finish the gathered work (refreshes after every
+        update)."""
         stacks, dense = work
-        updates: list = [self._propose_stack(entries, entries[0].group)
-                         for entries in stacks.values()]
-        for e in dense:
-            ok = self._finite(e.state, e.param.grad)
-            u = self._propose_dense(e.param, e.group, e.state, e.seed, ok)
+        groups = list(stacks.values())
+        measured = [(entries, self._stack_partials(entries, entries[0].group))
+                    for entries in groups]
+        measured += [([e], self._dense_partials(e)) for e in dense]
+        self._sum_partials(measured)
+        updates: list = []
+        for entries, partials in measured[:len(groups)]:
+            self._count_skips(entries, partials.finite)
+            updates.append(self._propose_stack(entries, entries[0].group, partials))
+        if dense:
+            finite = torch.cat([partials.finite for _, partials in measured[len(groups):]])
+            self._count_skips(dense, finite)
+        for e, (_, partials) in zip(dense, measured[len(groups):], strict=True):
+            u = self._propose_dense(e.param, e.group, e.state, e.seed,
+                                    partials.finite.reshape(()), partials)
             if u is not None:
+                u.offset = e.offset
                 updates.append(u)
         alpha, any_active = 1.0, False
         if control is not None:
@@ -427,7 +487,17 @@ class SketchOptimizer(Optimizer):
         active = [m for m, a in zip(members, to_host(flags), strict=True) if a]
         if not active:
             return 1.0, False
-        return float(control.scale(self, active)), True
+        return float(control.scale(self, self._whole_updates(active))), True
+
+    def _whole_updates(self, updates: list) -> list:
+        """The updates as a step controller sees them: of whole parameters of the model (a
+        distributed optimizer gathers the factors of its row shards here)."""
+        return updates
+
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the processes that train this model together (a step
+        controller's probe statistics); on one process, ``values`` itself."""
+        return values
 
     @staticmethod
     def _kept(update) -> list[tuple]:
@@ -470,7 +540,12 @@ class SketchOptimizer(Optimizer):
                                "keep_updates=True): the factors of a step are not kept otherwise")
         if self.last_updates is None:
             raise RuntimeError("export_update() called before the first step()")
-        return build_payload(model, self.last_updates, self.steps_taken)
+        return build_payload(model, self._payload_records(), self.steps_taken)
+
+    def _payload_records(self) -> list[tuple]:
+        """The kept records as :func:`rgc.sync.build_payload` takes them (of whole
+        parameters: a distributed optimizer gathers its row shards' here)."""
+        return self.last_updates
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients and the sketches of compressed weights."""
@@ -498,6 +573,10 @@ class SketchOptimizer(Optimizer):
             state[key] = {**value, "skipped": int(count)}
         sd["state"] = state
         sd["rgc_steps_taken"] = self.steps_taken
+        # torch.distributed.checkpoint keeps only "state" and "param_groups": the count rides
+        # in every group too (copies: the optimizer's own groups do not get the key)
+        sd["param_groups"] = [{**g, "rgc_steps_taken": self.steps_taken}
+                              for g in sd["param_groups"]]
         for hook in held["_optimizer_state_dict_post_hooks"].values():
             result = hook(self, sd)
             if result is not None:
@@ -521,7 +600,11 @@ class SketchOptimizer(Optimizer):
                 if result is not None:
                     state_dict = result
             state_dict = dict(state_dict)
-            steps_taken = int(state_dict.pop("rgc_steps_taken", 0))
+            groups = [dict(g) for g in state_dict["param_groups"]]
+            in_groups = [g.pop("rgc_steps_taken", None) for g in groups]
+            state_dict["param_groups"] = groups
+            steps_taken = int(state_dict.pop("rgc_steps_taken", in_groups[0] if in_groups
+                                             and in_groups[0] is not None else 0))
             saved = state_dict["state"]
             ids = [i for g in state_dict["param_groups"] for i in g["params"]]
             super().load_state_dict(state_dict)

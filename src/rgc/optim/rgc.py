@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rgc import ops
-from rgc.optim.base import SketchOptimizer, check_common_args, group_lr
+from rgc.optim.base import Partials, SketchOptimizer, check_common_args, group_lr
 from rgc.updates import DenseUpdate, StackUpdate
 
 
@@ -120,12 +120,16 @@ class RGCOptimizer(SketchOptimizer):
         super()._check_group(group)
         check_expert_norm(group.setdefault("expert_norm", "expert"))
 
-    def _propose_stack(self, entries, group) -> StackUpdate:
+    def _stack_partials(self, entries, group) -> Partials:
         owners = [e.owner for e in entries]
-        sketches = [o.sketch_matrices() for o in owners]
-        h2, finite = ops.sketch_stats(sketches, [o.projection for o in owners])
-        self._count_skips(entries, finite)
-        w2 = self._weight_sq_norms(entries, group["chunk_rows"])
+        h2, finite = ops.sketch_stats([o.sketch_matrices() for o in owners],
+                                      [o.projection for o in owners])
+        return Partials.of(finite, sketch=h2,
+                           weight=self._weight_sq_norms(entries, group["chunk_rows"]))
+
+    def _propose_stack(self, entries, group, partials) -> StackUpdate:
+        sketches = [e.owner.sketch_matrices() for e in entries]
+        h2, finite, w2 = partials["sketch"], partials.finite, partials["weight"]
         lr = group_lr(group, h2.device)
         if h2.shape[1] > 1 and group.get("expert_norm", "expert") == "stack":
             # one coefficient per stack, from the norms of the whole stack (finite experts)
@@ -141,9 +145,16 @@ class RGCOptimizer(SketchOptimizer):
         return self._stack_update(entries, group, sketches, coefs, None, active,
                                   sq_norms=torch.empty_like(w2))
 
-    def _propose_dense(self, p, group, state, seed, ok) -> DenseUpdate:
-        coef, active = normalized_coef(p.to(torch.float32).square().sum(),
-                                       p.grad.to(torch.float32).square().sum(),
+    def _dense_partials(self, entry) -> Partials:
+        partials = super()._dense_partials(entry)
+        p = entry.param
+        partials.sums["weight"] = p.to(torch.float32).square().sum().reshape(1, 1)
+        partials.sums["direction"] = p.grad.to(torch.float32).square().sum().reshape(1, 1)
+        return partials
+
+    def _propose_dense(self, p, group, state, seed, ok, partials) -> DenseUpdate:
+        coef, active = normalized_coef(partials["weight"].reshape(()),
+                                       partials["direction"].reshape(()),
                                        group_lr(group, p.device), ok)
         if group["maximize"]:
             coef = -coef

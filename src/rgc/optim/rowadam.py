@@ -7,7 +7,7 @@ import math
 import torch
 
 from rgc import ops
-from rgc.optim.base import SketchOptimizer, check_common_args
+from rgc.optim.base import Partials, SketchOptimizer, check_common_args
 from rgc.updates import DenseUpdate, StackUpdate
 
 
@@ -154,11 +154,16 @@ class RowAdam(SketchOptimizer):
         decay = torch.where(ok, decay, 0.0) if wd != 0.0 else None
         return torch.where(ok, lr, 0.0), decay
 
-    def _propose_stack(self, entries, group) -> StackUpdate:
+    def _stack_partials(self, entries, group) -> Partials:
+        owners = [e.owner for e in entries]
+        h2, finite = ops.sketch_stats([o.sketch_matrices() for o in owners],
+                                      [o.projection for o in owners])
+        return Partials.of(finite, sketch=h2)
+
+    def _propose_stack(self, entries, group, partials) -> StackUpdate:
         owners = [e.owner for e in entries]
         sketches = [o.sketch_matrices() for o in owners]
-        h2, finite = ops.sketch_stats(sketches, [o.projection for o in owners])
-        self._count_skips(entries, finite)
+        h2, finite = partials["sketch"], partials.finite
         active = self._active(entries, finite, h2)
         steps = self._applied_updates(entries, active)
         exp_avgs, exp_avg_sqs = zip(*(self._row_moments(e.state, s, e.param.dim() == 2)
@@ -229,7 +234,7 @@ class RowAdam(SketchOptimizer):
         m, v = state["exp_avg"], state["exp_avg_sq"]
         return (m, v) if m.dim() == 3 else (m.unsqueeze(0), v.unsqueeze(0))
 
-    def _propose_dense(self, p, group, state, seed, ok) -> DenseUpdate:
+    def _propose_dense(self, p, group, state, seed, ok, partials) -> DenseUpdate:
         grad = -p.grad if group["maximize"] else p.grad
         t = (state["step"] - state["skipped"]).to(torch.float64)
         direction = self._moments(state, group, grad, ok, t)
