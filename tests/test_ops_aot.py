@@ -5,8 +5,8 @@ wheel's ptxas supports it) and cuobjdump from the wheel reads registers and stac
 spill needs a stack frame, so zero stack and zero local bytes mean spill-free. The launches
 compiled are built by the launchers themselves (``*_launches`` in rgc.ops.triton) and bound
 by Triton's own specialisation; equal specialisations are compiled once. The first run
-compiles 228 kernels (76 per architecture: about 2 minutes of CPU time); with Triton's cache
-(~/.triton/cache) later runs take about 10 seconds.
+compiles 318 kernels (106 per architecture: about 4 minutes of CPU time); with Triton's cache
+(~/.triton/cache) later runs take 15-25 seconds.
 """
 
 import importlib
@@ -68,7 +68,9 @@ def test_every_configuration_was_compiled(aot, usage):
     assert len(updates) == len(archs) * len(list(aot.update_variants()))
     assert {u.kernel for u in usage} == {
         "lowrank_update_kernel", "finish_kernel", "stochastic_round_kernel",
-        "random_words_kernel", "gaussian_kernel", "gram_kernel", "sketch_stats_kernel"}
+        "random_words_kernel", "gaussian_kernel", "gram_kernel", "sketch_stats_kernel",
+        "row_adam_kernel", "rademacher_kernel", "refresh_gram_kernel",
+        "cholesky_inverse_kernel", "projection_product_kernel"}
     for u in updates:  # a cap the launcher sets, and ptxas honours
         assert u.registers <= aot.K.MAXNREG_MISALIGNED
 
@@ -104,6 +106,33 @@ def test_every_rank_runs_a_compiled_case(aot, compiled_keys, w_dtype, p_dtype):
                 [(2**33 + 5) * r, 7], [160] * 2, stochastic, torch.zeros(2, 1))
             for kernel, _grid, args, kwargs in launches:
                 assert aot.specialization(kernel, args, kwargs) in compiled_keys, (r, decay)
+
+
+@pytest.mark.parametrize("d", [96, 37])
+def test_every_rank_runs_a_compiled_row_adam_case(aot, compiled_keys, d):
+    # RowAdam's moment kernel for every r from 1 to 512 (aligned and odd d, whatever the
+    # steps and activity tables and betas): its JIT key is one of the keys compiled above.
+    for r in range(1, 513):
+        stacks = ([torch.zeros(3, d, r)] * 2, [torch.zeros(3, d, r)] * 2, [torch.zeros(3, d)] * 2)
+        for maximize in (False, True):
+            for kernel, _grid, args, kwargs in aot.K.row_adam_launches(
+                    *stacks, torch.ones(2, 3, dtype=torch.bool)[:, :3],
+                    torch.full((2, 5), 7)[:, 1:4], 0.5, 0.25, 0.0, maximize):
+                assert aot.specialization(kernel, args, kwargs) in compiled_keys, (d, r)
+
+
+@pytest.mark.parametrize("kind", ["orthonormal", "gaussian", "rademacher"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_rank_runs_a_compiled_refresh_case(aot, compiled_keys, kind, dtype):
+    # The P refresh for every r from 1 to 512: k = 2048 (one CholeskyQR pass), and k = 160
+    # for the ranks at which k < 4 r (CholeskyQR3), every JIT key compiled above.
+    shapes = [(2048, r) for r in range(1, 513)]
+    if kind == "orthonormal":
+        shapes += [(160, r) for r in range(41, 161)]
+    for k, r in shapes:
+        outs = [torch.zeros(k, r, dtype=dtype) for _ in range(2)]
+        for kernel, _grid, args, kwargs in aot.K.projection_launches(outs, kind, [3, 2**40]):
+            assert aot.specialization(kernel, args, kwargs) in compiled_keys, (k, r)
 
 
 def test_norm_pass_reduces_in_the_update_order(compiled, aot):

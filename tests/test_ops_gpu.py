@@ -237,6 +237,73 @@ def test_compiled_launches_do_not_grow_with_the_number_of_stacks():
     assert two.total == four.total, (two.names, four.names)
 
 
+@pytest.mark.parametrize("kind", ["orthonormal", "gaussian", "rademacher"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k,r", [(4096, 64), (1000, 37), (3072, 256), (300, 128)])
+def test_refresh_is_batch_invariant_on_the_device(kind, dtype, k, r, monkeypatch):
+    # The trainer refreshes a group, a sync receiver one P: the same bits, whatever the
+    # batch, its order and its chunks (300 x 128: CholeskyQR3). Against the CPU reference:
+    # Gaussian and Rademacher bit for bit, orthonormal within its dtype's rounding.
+    seeds = [7 * i + 1 for i in range(24)]
+
+    def refresh(seeds_):
+        outs = [torch.empty(k, r, dtype=dtype, device=CUDA) for _ in seeds_]
+        T.make_projections_(outs, kind, seeds_)
+        return outs
+
+    batch, reverse = refresh(seeds), refresh(seeds[::-1])[::-1]
+    monkeypatch.setattr(T, "PROJECTION_CHUNK_BYTES", 5 * T.projection_bytes(k, r))
+    chunked = refresh(seeds)
+    for i in (0, 5, 23):
+        (alone,) = refresh([seeds[i]])
+        for other in (batch[i], reverse[i], chunked[i]):
+            assert torch.equal(other.view(torch.uint8), alone.view(torch.uint8))
+        ref = torch.empty(k, r, dtype=dtype)
+        R.make_projections_([ref], kind, [seeds[i]])
+        if kind == "orthonormal":
+            unit = 2**-8 if dtype == torch.bfloat16 else 2e-6
+            torch.testing.assert_close(alone.cpu().double(), ref.double(), rtol=0,
+                                       atol=4 * unit * math.sqrt(k / r))
+        else:
+            assert torch.equal(alone.cpu().view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_refresh_launches_do_not_grow_with_the_number_of_projections():
+    def count(n):
+        outs = [torch.empty(2048, 64, dtype=torch.bfloat16, device=CUDA) for _ in range(n)]
+        T.make_projections_(outs, "orthonormal", list(range(n)))  # compile
+        with CountLaunches(device="cuda") as launches:
+            T.make_projections_(outs, "orthonormal", list(range(n)))
+        return launches
+    two, eight = count(2), count(8)
+    assert two.triton == eight.triton == 4 and two.host_reads == 0
+    assert two.total == eight.total, (two.names, eight.names)
+
+
+@pytest.mark.parametrize("e,d,r", [(1, 4096, 64), (8, 1000, 37), (2, 300, 256)])
+def test_row_adam_matches_the_reference(e, d, r):
+    # m within one FP32 unit of its terms (0.1 here) of the CPU reference (a fused multiply-add
+    # there too, but not in torch's scalar tail); v and U within 1e-6 relative (the mean's
+    # order, torch's CPU sqrt), U also within 1e-6 absolute (U ~ 1; m may cancel).
+    g = torch.Generator().manual_seed(d + r)
+    sketches = [torch.randn(e, d, r, generator=g) for _ in range(3)]
+    exp_avgs = [torch.randn(e, d, r, generator=g) * 0.1 for _ in range(3)]
+    exp_avg_sqs = [torch.rand(e, d, generator=g) * 0.01 for _ in range(3)]
+    active = torch.rand(3, e, generator=g) < 0.8
+    steps = torch.randint(1, 10_000, (3, e), generator=g)
+    gpu = [[t.to(CUDA) for t in ts] for ts in (sketches, exp_avgs, exp_avg_sqs)]
+    with CountLaunches(device="cuda") as launches:
+        T.row_adam_(*gpu, active.to(CUDA), steps.to(CUDA), 0.9, 0.999, 1e-8, True)
+    assert launches.triton == 1
+    R.row_adam_(sketches, exp_avgs, exp_avg_sqs, active, steps, 0.9, 0.999, 1e-8, True)
+    for got, want in zip(gpu[1], exp_avgs):
+        torch.testing.assert_close(got.cpu(), want, rtol=1.2e-7, atol=1e-8)
+    for got, want in zip(gpu[0], sketches):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
+    for got, want in zip(gpu[2], exp_avg_sqs):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=0)
+
+
 def test_optimizer_on_cuda_matches_the_torch_path(monkeypatch):
     assert rgc.ops.implementation_for_device(CUDA) == "triton"
 

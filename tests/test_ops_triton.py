@@ -7,6 +7,7 @@ below sets the variable and (re)loads that module before any kernel runs, and re
 afterwards. Shapes are small: the interpreter runs each program in Python.
 """
 
+import gc
 import importlib
 import math
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("triton")
@@ -453,6 +454,97 @@ def test_cpu_without_interpreter_is_a_clear_error(monkeypatch):
         T.stochastic_round_(torch.empty(3, dtype=torch.bfloat16), torch.ones(3), 0, 0)
 
 
+# ------------------------------------------------------------------------------ RowAdam
+
+def row_adam_float64(s, m, v, active, t, beta1, beta2, eps, maximize):
+    """RowAdam's formula per matrix in float64: ``(U, m, v, scale)``, m and v unchanged where
+    inactive; ``scale`` bounds the FP32 error of m and U elementwise (``|b1 m| + |(1-b1) g|``,
+    through the bias correction and the row's denominator for U: the sum may cancel)."""
+    g = -s.double() if maximize else s.double()
+    ok = active.view(-1, 1, 1)
+    m_new = torch.where(ok, beta1 * m.double() + (1 - beta1) * g, m.double())
+    v_new = torch.where(ok[..., 0], beta2 * v.double() + (1 - beta2) * (g * g).mean(-1),
+                        v.double())
+    t = t.double().view(-1, 1, 1)
+    denom = (v_new[..., None] / (1 - beta2 ** t)).sqrt() + eps
+    size = torch.where(ok, beta1 * m.double().abs() + (1 - beta1) * g.abs(), m.double().abs())
+    return (m_new / (1 - beta1 ** t)) / denom, m_new, v_new, size, size / (1 - beta1 ** t) / denom
+
+
+def adam_stacks(count, e, d, r, seed):
+    g = torch.Generator().manual_seed(seed)
+    sketches = [torch.randn(e, d, r, generator=g) for _ in range(count)]
+    exp_avgs = [torch.randn(e, d, r, generator=g) * 0.1 for _ in range(count)]
+    exp_avg_sqs = [torch.rand(e, d, generator=g) * 0.01 for _ in range(count)]
+    return sketches, exp_avgs, exp_avg_sqs
+
+
+@settings(max_examples=10)
+@given(e=st.integers(1, 3), d=st.integers(1, 70), r=st.integers(1, 80),
+       beta1=st.sampled_from([0.0, 0.9]), beta2=st.sampled_from([0.99, 0.999]),
+       maximize=st.booleans(), seed=st.integers(0, 2**16))
+def test_row_adam_matches_float64_and_the_reference(e, d, r, beta1, beta2, maximize, seed):
+    # Against the reference: m bit for bit (the same FP32 operations, one fused multiply-add
+    # as torch's add_ with alpha), v and U within 1e-6 relative (the order in which the mean
+    # adds a row, and torch's CPU FP32 square root, which is not correctly rounded; the
+    # kernel's is). Against float64: a few FP32 roundings of the terms (betas included).
+    sketches, exp_avgs, exp_avg_sqs = adam_stacks(2, e, d, r, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    active = torch.rand(2, e, generator=g) < 0.7
+    steps = torch.randint(0, 3000, (2, e), generator=g)
+    args = (active, steps, beta1, beta2, 1e-8, maximize)
+    ref = [[t.clone() for t in ts] for ts in (sketches, exp_avgs, exp_avg_sqs)]
+    want = [row_adam_float64(*ts, active[i], steps[i], beta1, beta2, 1e-8, maximize)
+            for i, ts in enumerate(zip(*ref))]
+    R.row_adam_(*ref, *args)
+    with CountLaunches() as launches:
+        T.row_adam_(sketches, exp_avgs, exp_avg_sqs, *args)
+    assert launches.triton == 1 and launches.host_reads == 0
+    for i, (u64, m64, v64, m_size, u_size) in enumerate(want):
+        assert torch.equal(pattern(exp_avgs[i]), pattern(ref[1][i]))
+        torch.testing.assert_close(exp_avg_sqs[i], ref[2][i], rtol=1e-6, atol=0)
+        assert ((exp_avgs[i].double() - m64).abs() <= 3e-7 * m_size).all()
+        torch.testing.assert_close(exp_avg_sqs[i].double(), v64, rtol=2e-6, atol=0)
+        live = steps[i] > 0  # t = 0 divides by zero, as the formula does
+        torch.testing.assert_close(sketches[i][live], ref[0][i][live], rtol=1e-6, atol=0)
+        err = (sketches[i].double() - u64).abs()
+        assert (err <= 2e-6 * u64.abs() + 3e-7 * u_size)[live].all()
+        # inactive matrices keep the bits of their moments
+        keep = ~active[i]
+        assert torch.equal(pattern(exp_avgs[i][keep]), pattern(ref[1][i][keep]))
+
+
+def test_row_adam_is_one_launch_per_layout_and_checks_before_writing():
+    sketches, exp_avgs, exp_avg_sqs = adam_stacks(4, 2, 33, 7, seed=0)
+    sketches[3] = torch.randn(2, 40, 7)  # another shape: its own launch
+    exp_avgs[3], exp_avg_sqs[3] = torch.zeros(2, 40, 7), torch.zeros(2, 40)
+    active = torch.ones(4, 2, dtype=torch.bool)
+    steps = torch.full((4, 2), 5)
+    with CountLaunches() as launches:
+        T.row_adam_(sketches, exp_avgs, exp_avg_sqs, active, steps, 0.9, 0.99, 1e-8, False)
+    assert launches.names["triton:_row_adam_kernel"] == 2 and launches.triton == 2
+    before = [t.clone() for t in sketches]
+    for bad, match in [
+            ((sketches, exp_avgs[:3], exp_avg_sqs, active, steps), "one entry per stack"),
+            ((sketches, exp_avgs, [v[:, :5] for v in exp_avg_sqs], active, steps),
+             r"exp_avg_sqs\[0\] must be"),
+            ((sketches, exp_avgs, exp_avg_sqs, active.float(), steps), "active must be"),
+            ((sketches, exp_avgs, exp_avg_sqs, active, steps[:2]), "steps must be")]:
+        with pytest.raises(ValueError, match=match):
+            T.row_adam_(*bad, 0.9, 0.99, 1e-8, False)
+    assert all(torch.equal(a, b) for a, b in zip(before, sketches))
+
+
+def test_row_adam_launches_do_not_grow_with_the_number_of_stacks():
+    def count(n):
+        stacks_ = adam_stacks(n, 1, 20, 8, seed=n)
+        with CountLaunches() as launches:
+            T.row_adam_(*stacks_, torch.ones(n, 1, dtype=torch.bool), torch.ones(n, 1,
+                        dtype=torch.int64), 0.9, 0.999, 1e-8, True)
+        return launches.total
+    assert count(2) == count(5)
+
+
 # --------------------------------------------------------------- norms of H, projections
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the interpreter's NaN
@@ -490,6 +582,92 @@ def test_orthonormalize_matches_float64_qr(k, r, gram_fp64):
                                atol=2e-6 * scale)
 
 
+PROJECTION_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+
+
+def triton_projections(kind, k, r, seeds, dtype):
+    outs = [torch.empty(k, r, dtype=dtype) for _ in seeds]
+    T.make_projections_(outs, kind, seeds)
+    return outs
+
+
+@pytest.mark.parametrize("kind,k,r", [("rademacher", 37, 9), ("gaussian", 37, 9),
+                                      ("orthonormal", 70, 9), ("orthonormal", 21, 9)])
+@pytest.mark.parametrize("dtype", PROJECTION_DTYPES)
+def test_a_projection_has_the_bits_it_has_alone_in_any_batch(kind, k, r, dtype, monkeypatch):
+    # A sync receiver regenerates one P; the trainer a whole group: a batch of N, in any
+    # order and split into chunks of any size, gives each P the bits it has alone.
+    seeds = [5, 2**40 + 3, 0, 77]
+    batch = triton_projections(kind, k, r, seeds, dtype)
+    reverse = triton_projections(kind, k, r, seeds[::-1], dtype)[::-1]
+    monkeypatch.setattr(T, "PROJECTION_CHUNK_BYTES", T.projection_bytes(k, r) * 3 // 2)
+    chunked = triton_projections(kind, k, r, seeds, dtype)
+    for i, seed in enumerate(seeds):
+        (alone,) = triton_projections(kind, k, r, [seed], dtype)
+        for other in (batch[i], reverse[i], chunked[i]):
+            assert torch.equal(other.view(-1).view(torch.uint8), alone.view(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
+@pytest.mark.parametrize("dtype", PROJECTION_DTYPES)
+def test_rademacher_and_gaussian_projections_have_the_reference_bits(kind, dtype):
+    k, r, seeds = 45, 13, [1, 2**62 + 9]
+    want = [torch.empty(k, r, dtype=dtype) for _ in seeds]
+    R.make_projections_(want, kind, seeds)
+    for got, ref in zip(triton_projections(kind, k, r, seeds, dtype), want):
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("k,r", [(96, 24), (33, 8), (50, 20), (9, 9)])
+@pytest.mark.parametrize("dtype", PROJECTION_DTYPES)
+def test_orthonormal_projections_are_close_to_the_reference_and_qr(k, r, dtype):
+    # sqrt(k/r) Q of G's thin QR (R's diagonal positive) in float64, rounded once to dtype;
+    # the kernels within the rounding of the dtype (FP32 accuracy of the product for
+    # k >= 4 r, float64 CholeskyQR3 below) of it and of the reference.
+    seeds = [4, 8]
+    g = R.gaussian_matrices(k, r, seeds, "cpu").double()
+    q64, r64 = torch.linalg.qr(g)
+    want = q64 * torch.sign(r64.diagonal(dim1=1, dim2=2)).unsqueeze(1) * math.sqrt(k / r)
+    ref = [torch.empty(k, r, dtype=dtype) for _ in seeds]
+    R.make_projections_(ref, "orthonormal", seeds)
+    unit = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 2**-23,
+            torch.float64: 2**-52}[dtype]
+    accuracy = max(unit, 2e-6 / 2**-23 * 2**-23 if k >= 4 * r else 1e-12)
+    for i, got in enumerate(triton_projections("orthonormal", k, r, seeds, dtype)):
+        tol = (accuracy + unit) * math.sqrt(k / r) * 4
+        torch.testing.assert_close(got.double(), want[i], rtol=0, atol=tol)
+        torch.testing.assert_close(got.double(), ref[i].double(), rtol=0, atol=2 * tol)
+
+
+@pytest.mark.parametrize("kind,k,r,launches", [("rademacher", 30, 6, 1), ("gaussian", 30, 6, 1),
+                                               ("orthonormal", 30, 6, 4),
+                                               ("orthonormal", 20, 6, 10)])
+def test_refresh_launches_do_not_grow_with_the_number_of_projections(kind, k, r, launches):
+    def count(n):
+        with CountLaunches() as counted:
+            triton_projections(kind, k, r, list(range(n)), torch.bfloat16)
+        return counted
+    two, five = count(2), count(5)
+    assert two.triton == five.triton == launches and two.host_reads == 0
+    assert two.total == five.total, (two.names, five.names)
+
+
+def test_refresh_buffers_stay_within_the_chunk(monkeypatch):
+    # No [M, k, r] float64 (nor G of all M) at once: buffers of at most the chunk's bytes.
+    # (The interpreter leaves a launch's arguments in reference cycles; collected here after
+    # each launch as a compiled launch would drop them.)
+    launch = T._launch
+    monkeypatch.setattr(T, "_launch", lambda launches: (launch(launches), gc.collect()))
+    for k, r in [(64, 8), (24, 8)]:  # one CholeskyQR pass, CholeskyQR3
+        monkeypatch.setattr(T, "PROJECTION_CHUNK_BYTES", 2 * T.projection_bytes(k, r))
+        outs = [torch.empty(k, r) for _ in range(7)]
+        T.make_projections_(outs, "orthonormal", list(range(7)))  # compile
+        with rgc.memory.track() as rec:
+            T.make_projections_(outs, "orthonormal", list(range(7)))
+        assert rec.peak <= T.PROJECTION_CHUNK_BYTES + 4096, (rec.peak, rec.largest)
+        assert max(a.nbytes for a in rec.allocations) <= T.PROJECTION_CHUNK_BYTES
+
+
 # ---------------------------------------------------- registry dispatch and fake kernels
 
 def _op_calls():
@@ -505,6 +683,9 @@ def _op_calls():
         "sketch_stats": (us, ps),
         "gaussian_matrices": (30, 7, [1, 2], torch.device("cpu")),
         "orthonormalize": (g, 2.0, False),
+        "row_adam_": (*adam_stacks(2, 2, 20, 8, seed=1), torch.tensor([[True, False]] * 2),
+                      torch.full((2, 2), 3), 0.9, 0.999, 1e-8, False),
+        "make_projections_": ([torch.empty(40, 8), torch.empty(40, 8)], "orthonormal", [1, 2]),
     }
 
 

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 import rgc
 from rgc import PROJECTION_KINDS, make_projection
+from rgc.ops import reference
 from rgc.ops.reference import box_muller
 from rgc.projection import advance_projections, gaussian_matrix, projections
 from rgc.rounding import random_bits
@@ -108,6 +109,18 @@ def test_a_batch_of_projections_has_the_bits_of_each_alone(k, r, seeds, kind, dt
     batch = projections(kind, k, r, seeds, device="cpu", dtype=dtype)
     for i, seed in enumerate(seeds):
         assert torch.equal(batch[i], make_projection(kind, k, r, seed=seed, dtype=dtype))
+
+
+@given(k=st.integers(1, 70), r=st.integers(1, 70), seed=st.integers(0, 2**63 - 1))
+def test_compiled_and_eager_gaussians_are_bit_identical(k, r, seed):
+    """The CPU compiles the Box-Muller loop; its float operations are the eager ones, so
+    compiling changes no bit (and the eager path, which runs under dispatch modes and where
+    torch.compile cannot, gives the same G)."""
+    compiled = gaussian_matrix(k, r, seed=seed)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(reference, "_int32_loop", lambda fn, device: fn)
+        assert torch.equal(gaussian_matrix(k, r, seed=seed).view(torch.int32),
+                           compiled.view(torch.int32))
 
 
 def test_advance_projections_moves_each_owner_to_its_next_version():

@@ -9,7 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rgc
+import rgc.ops.reference
 from rgc.optim.rowadam import carry_moment
+from rgc.sketched import SketchedWeight
 
 
 def _model(d_in, hidden, d_out, *, dtype=torch.float32, bias=True, seed=0):
@@ -214,3 +216,91 @@ def test_skipped_update_does_not_count_in_bias_correction():
     fresh, _ = run(False)
     assert torch.equal(skipped, fresh)
     assert int(opt.state[opt.param_groups[0]["params"][0]]["skipped"]) == 1
+
+
+class ExpertStack(SketchedWeight):
+    """A bare owner of an ``[E, d, k]`` expert weight whose sketch the test sets by hand."""
+
+    def __init__(self, e, d, k, rank, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(torch.randn(e, d, k, generator=g))
+        self.in_features, self.out_features, self.num_matrices = k, d, e
+        self._setup_sketching(rank, "rademacher", "never", seed)
+        self.projection = self._make_projection()
+        self._new_sketch_slot()
+        self._register()
+
+    @property
+    def sketch_shape(self):
+        return (self.num_matrices, self.out_features, self.rank)
+
+    def weight_matrices(self):
+        return self.weight
+
+
+def test_expert_stacks_count_applied_updates_per_expert():
+    """Experts follow the formula (float64 here) with t counted per expert: an expert with a
+    zero sketch (no token) or a non-finite one is not updated and does not count."""
+    e, d, k, r, lr, wd, betas, eps = 3, 6, 10, 4, 1e-2, 0.1, (0.9, 0.99), 1e-6
+    stacks = [ExpertStack(e, d, k, r, seed=s) for s in (1, 2)]
+    opt = rgc.RowAdam([s.weight for s in stacks], lr=lr, betas=betas, eps=eps,
+                      weight_decay=wd, stochastic_rounding=False)
+    ref = [s.weight.detach().double().clone() for s in stacks]
+    m_ref = [torch.zeros(e, d, r, dtype=torch.float64) for _ in stacks]
+    v_ref = [torch.zeros(e, d, dtype=torch.float64) for _ in stacks]
+    t_ref = [torch.zeros(e, dtype=torch.int64) for _ in stacks]
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        for i, s in enumerate(stacks):
+            sketch = torch.randn(e, d, r, generator=g)
+            if step % 2:
+                sketch[1] = 0.0  # expert 1 received no token
+            if step == 2 and i == 0:
+                sketch[2, 0, 0] = math.inf
+            s.sketch = sketch
+            p = s.projection.double()
+            for x in range(e):
+                c = sketch[x].double()
+                if not (torch.isfinite(c).all() and (c != 0).any()):
+                    continue
+                t_ref[i][x] += 1
+                t = int(t_ref[i][x])
+                m_ref[i][x] = betas[0] * m_ref[i][x] + (1 - betas[0]) * c
+                v_ref[i][x] = betas[1] * v_ref[i][x] + (1 - betas[1]) * (c ** 2).mean(1)
+                u = (m_ref[i][x] / (1 - betas[0] ** t)) / (
+                    (v_ref[i][x] / (1 - betas[1] ** t)).sqrt() + eps)[:, None]
+                ref[i][x] = ref[i][x] * (1 - lr * wd) - lr * u @ p.t()
+        opt.step()
+    for i, s in enumerate(stacks):
+        state = opt.state[s.weight]
+        assert torch.equal(state["expert_updates"], t_ref[i])
+        assert state["exp_avg"].shape == (e, d, r) and state["exp_avg_sq"].shape == (e, d)
+        torch.testing.assert_close(state["exp_avg"].double(), m_ref[i], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(state["exp_avg_sq"].double(), v_ref[i], rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(s.weight.detach().double(), ref[i], rtol=1e-5, atol=1e-6)
+    with pytest.warns(RuntimeWarning, match="non-finite sketch"):
+        assert opt.skipped_updates() == 1
+
+
+@pytest.mark.parametrize("maximize", [False, True])
+def test_reference_moments_are_rowadams_fp32_operations(maximize):
+    """The bit contract of rgc.ops.row_adam_'s reference (RowAdam's bits since its first
+    version): for a 2-D weight's d x r sketch, these FP32 torch operations, one after the
+    other, with the bias corrections formed in float64."""
+    g = torch.Generator().manual_seed(3)
+    d, r, beta1, beta2, eps = 37, 9, 0.9, 0.999, 1e-8
+    s, m, v = torch.randn(d, r, generator=g), torch.randn(d, r, generator=g), torch.rand(d)
+    for ok, t in [(True, 7), (False, 3)]:
+        want_m, want_v, grad = m.clone(), v.clone(), -s if maximize else s
+        if ok:
+            want_m = m.mul(beta1).add_(grad, alpha=1.0 - beta1)
+            want_v = v.mul(beta2).add_(grad.square().mean(dim=-1), alpha=1.0 - beta2)
+        c1 = (1.0 - beta1 ** torch.tensor(float(t), dtype=torch.float64)).to(torch.float32)
+        c2 = (1.0 - beta2 ** torch.tensor(float(t), dtype=torch.float64)).to(torch.float32)
+        want_u = torch.div(want_m, c1).div_((want_v / c2).sqrt_().add_(eps)[:, None])
+        got_s, got_m, got_v = s.clone(), m.clone(), v.clone()
+        rgc.ops.reference.row_adam_([got_s[None]], [got_m[None]], [got_v[None]],
+                                    torch.tensor([[ok]]), torch.tensor([[t]]), beta1, beta2,
+                                    eps, maximize)
+        for got, want in ((got_s, want_u), (got_m, want_m), (got_v, want_v)):
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32))

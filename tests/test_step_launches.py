@@ -46,7 +46,8 @@ def _launches_of_a_step(layers: int, make, preset: str) -> CountLaunches:
 @pytest.mark.parametrize("make, preset", [
     (lambda ps: rgc.RGCOptimizer(ps, lr=1e-2), "rgc"),
     (lambda ps: rgc.RowAdam(ps, lr=1e-3), "logra"),
-], ids=["rgc", "rowadam"])
+    (lambda ps: rgc.RowAdam(ps, lr=1e-3, weight_decay=0.1, maximize=True), "logra"),
+], ids=["rgc", "rowadam", "rowadam-decay-maximize"])
 def test_a_step_launches_as_many_kernels_for_4_layers_as_for_2(make, preset):
     two, four = _launches_of_a_step(2, make, preset), _launches_of_a_step(4, make, preset)
     assert two.triton > 0 and two.host_reads == four.host_reads == 0

@@ -489,24 +489,12 @@ def _moe_layer_activations(arch: Architecture, n: int, wsize: int, dense: bool) 
     return router + routing + experts
 
 
-#: Bytes per Box-Muller pair of the reference path's temporaries while it generates G
-#: (measured), over at most ``rgc.ops.reference.GAUSSIAN_BLOCK`` pairs at a time.
-BOX_MULLER_BYTES_PER_PAIR = 29
-GAUSSIAN_BLOCK = 1 << 15
-
-
-def _refresh_temp(k: int, r: int, weight_itemsize: int = 2, implementation: str = "torch",
-                  same_shape: int = 1) -> int:
-    # G (4k * 2ceil(r/2)) while it is generated (the reference's Box-Muller temporaries beside
-    # it, and, from the second of ``same_shape`` projections regenerated in one call, the
-    # previous one's G, still held by the reference loop), then G and G R^-1 (4kr) beside the
-    # r x r factors (BF16 P, k >= 4r); G, its float64 copy and G R^-1 (FP32 P); float64
-    # CholeskyQR3 (k < 4r).
-    h = (r + 1) // 2
-    g = 8 * k * h
-    generating = g + (0 if implementation == "triton" else
-                      BOX_MULLER_BYTES_PER_PAIR * min(k * h, GAUSSIAN_BLOCK // h * h)
-                      + (g if same_shape > 1 else 0))
+def _refresh_temp(k: int, r: int, weight_itemsize: int = 2, implementation: str = "torch") -> int:
+    # G (4k * 2ceil(r/2)), written by one loop without temporaries (a compiled one on the
+    # CPU, a Triton kernel on CUDA), then G and G R^-1 (4kr) beside the r x r factors (BF16 P,
+    # k >= 4r); G, its float64 copy and G R^-1 (FP32 P); float64 CholeskyQR3 (k < 4r).
+    g = 8 * k * ((r + 1) // 2)
+    generating = g
     if k < 4 * r:
         factoring = 20 * k * r + 16 * r * r + 8
     elif weight_itemsize == 2:

@@ -24,6 +24,7 @@ length: this is how an optimizer step's launches stay independent of the number 
 ``gaussian_matrices``    the Box-Muller ``G`` of a projection, per seed
 ``orthonormalize``       CholeskyQR of ``G`` (the orthonormal projection)
 ``make_projections_``    a projection per seed written into its buffer (the P refresh)
+``row_adam_``            RowAdam's moments per matrix, the direction U written into S
 =======================  ==============================================================
 """
 
@@ -41,7 +42,7 @@ IMPLEMENTATIONS = ("torch", "triton")
 
 __all__ = ["IMPLEMENTATIONS", "gaussian_matrices", "implementation", "implementation_for_device",
            "lowrank_update_", "make_projections_", "orthonormalize", "random_words",
-           "run_under_mode", "sketch_stats", "stochastic_round_", "sum_squares",
+           "row_adam_", "run_under_mode", "sketch_stats", "stochastic_round_", "sum_squares",
            "triton_available"]
 
 
@@ -193,3 +194,14 @@ def orthonormalize(g: Tensor, scale: float, gram_fp64: bool) -> Tensor:
     """``scale Q`` of the thin QR of each ``g[m]`` (CholeskyQR); FP32, or float64 for k < 4 r."""
     k, r = g.shape[1:]
     return torch.empty_like(g, dtype=torch.float32 if k >= 4 * r else torch.float64)
+
+
+@_define("row_adam_", ("sketches", "exp_avgs", "exp_avg_sqs"),
+         lambda sketches, *_: _first(sketches))
+def row_adam_(sketches: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+              active: Tensor, steps: Tensor, beta1: float, beta2: float, eps: float,
+              maximize: bool) -> None:
+    """RowAdam per matrix ``(m, e)``: the moments ``m`` (``[E, d, r]``) and ``v`` (``[E, d]``)
+    updated from the sketch where ``active``, then ``U`` written into the sketch; see
+    :func:`rgc.ops.reference.row_adam_` for the formula and the bit contract."""
+    return None

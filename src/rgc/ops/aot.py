@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import re
 import subprocess
@@ -256,9 +257,53 @@ def projection_cases():
                                        torch.zeros(2, 2, dtype=torch.bool)))
 
 
+# (d, r): sizes and strides multiples of 16, or 1, or neither (the classes Triton specialises).
+ADAM_LAYOUTS = {"aligned": (128, 64), "r=7": (128, 7), "r=1": (128, 1), "odd d": (37, 64),
+                "odd d, r=7": (37, 7), "odd d, r=1": (37, 1), "misaligned": (37, 7)}
+
+
+def adam_stacks(layout: str, count: int = 2):
+    """``(sketches, exp_avgs, exp_avg_sqs)`` of ``count`` stacks of two matrices; the
+    misaligned layout's tensors start one element into their storage (unaligned pointers)."""
+    d, r = ADAM_LAYOUTS[layout]
+    skip = 1 if layout == "misaligned" else 0
+
+    def make(*shape):
+        n = math.prod(shape)
+        return [torch.zeros(n + skip)[skip:].view(shape) for _ in range(count)]
+    return make(2, d, r), make(2, d, r), make(2, d)
+
+
+def adam_cases():
+    """``(case name, launches)`` of RowAdam's moment kernel in every layout (``maximize`` is
+    a value, not a specialisation)."""
+    for layout in ADAM_LAYOUTS:
+        yield (f"row adam, {layout}",
+               K.row_adam_launches(*adam_stacks(layout), torch.ones(2, 2, dtype=torch.bool),
+                                   torch.ones(2, 2, dtype=torch.int64), 0.9, 0.999, 1e-8, False))
+
+
+#: Output dtypes of a projection.
+REFRESH_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def refresh_cases():
+    """``(case name, launches)`` of the P refresh for every kind and output dtype: the
+    Rademacher and scaled Gaussian kernels, and the orthonormal kind in one CholeskyQR pass
+    (k >= 4 r) and in CholeskyQR3 (k < 4 r). Their kernels specialise no size or stride
+    (only dtypes and unit strides), so one shape of each stands for all."""
+    for dtype in REFRESH_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        for kind, (k, r) in [("rademacher", (53, 7)), ("gaussian", (53, 7)),
+                             ("orthonormal", (53, 7)), ("orthonormal", (20, 7))]:
+            outs = [torch.zeros(k, r, dtype=dtype) for _ in range(2)]
+            label = f"{kind}{' k < 4r' if k < 4 * r else ''}"
+            yield f"refresh, {label}, {name}", K.projection_launches(outs, kind, [1, 2])
+
+
 def all_cases():
     return [*update_cases(), *norm_cases(), *rounding_cases(), *gaussian_cases(),
-            *projection_cases()]
+            *projection_cases(), *adam_cases(), *refresh_cases()]
 
 
 def supported_archs(archs=ARCHS) -> list[int]:

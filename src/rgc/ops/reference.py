@@ -191,25 +191,40 @@ def _polar(rho: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     """``(rho cos(theta), rho sin(theta))`` for ``theta = 2 pi w1 2^-24`` (w1: 24-bit int32).
 
     The quadrant ``q = w1 >> 22`` picks ``cos = (cs, -sn, -cs, sn)[q]``,
-    ``sin = (sn, cs, -sn, -cs)[q]`` of the polynomials on ``[0, pi/2)``; a sign is applied as
-    a product with -1.0, which is exact. In place where that changes no bit, and each
-    temporary released as soon as it is used (the reference's memory is part of the step's).
+    ``sin = (sn, cs, -sn, -cs)[q]`` of the polynomials on ``[0, pi/2)``. The choice and the
+    signs are bit operations on the patterns (exact; ``torch.where`` on floats is slow on the
+    CPU); arithmetic is in place where that changes no bit.
     """
-    q = w1 >> 22
-    odd = (q & 1).bool()
-    sign_cos = 1 - 2 * ((q ^ (q >> 1)) & 1)  # -1 for q = 1, 2
-    sign_sin = q.bitwise_right_shift_(1).bitwise_and_(1).mul_(-2).add_(1)  # -1 for q = 2, 3
-    del q
     x = (w1 & 0x3FFFFF).to(torch.float32).mul_(BM["XSTEP"])
     y = x * x
     sn = _polynomial(y, ["S6", "S5", "S4", "S3", "S2", "S1"]).mul_(x)
     del x
     cs = _polynomial(y, ["C7", "C6", "C5", "C4", "C3", "C2", "C1"])
     del y
-    cos = torch.where(odd, sn, cs).mul_(sign_cos).mul_(rho)
-    del sign_cos
-    sin = torch.where(odd, cs, sn).mul_(sign_sin).mul_(rho)
-    return cos, sin
+    q = w1 >> 22
+    sn_bits, cs_bits = sn.view(torch.int32), cs.view(torch.int32)
+    swap = (cs_bits ^ sn_bits).bitwise_and_((q & 1).neg_())  # odd quadrants swap the two
+    cs_bits ^= swap
+    sn_bits ^= swap
+    del swap
+    cs_bits ^= (q ^ (q >> 1)).bitwise_and_(1).bitwise_left_shift_(31)  # - for q = 1, 2
+    sn_bits ^= q.bitwise_right_shift_(1).bitwise_left_shift_(31)  # - for q = 2, 3
+    return cs.mul_(rho), sn.mul_(rho)
+
+
+def _gaussian_block(cos_out: torch.Tensor, sin_out: torch.Tensor, keys: torch.Tensor) -> None:
+    """``cos_out, sin_out = box_muller(w0, w1)`` (1-D) of the words of indices
+    ``keys[0, 0] + i`` and ``keys[1, 0] + i`` (``keys[:, 1:]``: the seed words). Compiled on
+    the CPU (:func:`_compiled`): one loop for the whole pipeline, whose float operations are
+    the eager ones one by one (inductor neither reassociates nor fuses multiply-adds:
+    ``-ffp-contract=off``, no unsafe math), so the bits are the same; the tests compare the
+    two."""
+    n = torch.arange(cos_out.numel(), dtype=torch.int32, device=cos_out.device)
+    w0 = _mix32(_mix32((n + keys[0, 0]) ^ keys[0, 1]) ^ keys[0, 2])
+    w1 = _mix32(_mix32((n + keys[1, 0]) ^ keys[1, 1]) ^ keys[1, 2])
+    cos, sin = _polar(_rho((w0 >> 8) & 0xFFFFFF), (w1 >> 8) & 0xFFFFFF)
+    cos_out.copy_(cos)
+    sin_out.copy_(sin)
 
 
 def box_muller(w0: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,8 +234,8 @@ def box_muller(w0: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.
     return _polar(_rho(w0), w1)
 
 
-#: Box-Muller pairs computed at once: the temporaries (29 bytes per pair, measured) stay below
-#: 1 MiB whatever k and r.
+#: Box-Muller pairs computed at once: the temporaries of the eager path (29 bytes per pair,
+#: measured) stay below 1 MiB whatever k and r; the compiled loop has none.
 GAUSSIAN_BLOCK = 1 << 15
 
 
@@ -239,18 +254,21 @@ def gaussian_matrices(k: int, r: int, seeds: list[int], device) -> torch.Tensor:
         raise ValueError(f"a {k} x {r} projection is too large (2 k ceil(r/2) >= 2**32)")
     g = torch.empty(len(seeds), k, 2 * h, dtype=torch.float32, device=device)
     rows = max(1, GAUSSIAN_BLOCK // h)
+    run = _int32_loop(_gaussian_block, device)
+    # 1-D contiguous buffers: one compiled graph serves every k and r
+    cos = torch.empty(min(rows, k) * h, dtype=torch.float32, device=device)
+    sin = torch.empty_like(cos)
     for m, seed in enumerate(seeds):
+        s_lo, s_hi = seed_words(seed, GAUSSIAN_LABEL)
         for i in range(0, k, rows):
             n = min(rows, k - i) * h
-            w = random_words(n, seed, GAUSSIAN_LABEL, i * h, device)
-            rho = _rho(w.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF))
-            w = random_words(n, seed, GAUSSIAN_LABEL, pairs + i * h, device)
-            cos, sin = _polar(rho, w.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF))
-            del w, rho
-            g[m, i:i + n // h, :h] = cos.view(-1, h)
-            del cos
-            g[m, i:i + n // h, h:] = sin.view(-1, h)
-            del sin
+            # 2 k h < 2**32: the index has no high word, the key is s_hi alone
+            keys = torch.tensor([[as_int32(i * h), as_int32(s_lo), as_int32(s_hi)],
+                                 [as_int32(pairs + i * h), as_int32(s_lo), as_int32(s_hi)]],
+                                dtype=torch.int32, device=device)
+            run(cos[:n], sin[:n], keys)
+            g[m, i:i + n // h, :h] = cos[:n].view(-1, h)
+            g[m, i:i + n // h, h:] = sin[:n].view(-1, h)
     return g[:, :, :r]
 
 
@@ -434,3 +452,35 @@ def sketch_stats(sketches: list[torch.Tensor], projections: list[torch.Tensor]
             h2[m, e] = (c @ gram).mul_(c).sum().clamp_min(0)
             finite[m, e] = torch.isfinite(c).all()
     return h2, finite
+
+
+# -- RowAdam's moments ----------------------------------------------------------------------
+
+@torch.no_grad()
+def row_adam_(sketches: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+              exp_avg_sqs: list[torch.Tensor], active: torch.Tensor, steps: torch.Tensor,
+              beta1: float, beta2: float, eps: float, maximize: bool) -> None:
+    """RowAdam's moment update and direction, in place, for every matrix ``(m, e)``::
+
+        g = -S if maximize else S                                        (d x r)
+        m <- b1 m + (1 - b1) g,   v <- b2 v + (1 - b2) mean_j g[:, j]^2    where active[m, e]
+        S <- U = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)           t = steps[m, e]
+
+    sketches[m], exp_avgs[m]: ``[E, d, r]`` FP32 (S, m); exp_avg_sqs[m]: ``[E, d]`` FP32 (v);
+    active: ``[M, E]`` bool; steps: ``[M, E]`` int64, the applied-update count t. Elsewhere m
+    and v keep their bits (a select); U is written everywhere (where inactive it may not be
+    finite: the caller gives it coefficient 0). FP32 arithmetic, one torch operation per
+    stack and step of the formula, the bias corrections ``1 - b^t`` formed in float64 and
+    rounded to FP32: RowAdam's bits since its first version. U takes the sketch's storage.
+    """
+    for s, m, v, ok, t in zip(sketches, exp_avgs, exp_avg_sqs, active, steps, strict=True):
+        g = -s if maximize else s
+        ok_rows = ok.view(-1, 1)
+        m.copy_(torch.where(ok_rows[..., None], m.mul(beta1).add_(g, alpha=1.0 - beta1), m))
+        v.copy_(torch.where(ok_rows, v.mul(beta2).add_(g.square().mean(dim=-1),
+                                                        alpha=1.0 - beta2), v))
+        t = t.to(torch.float64)
+        correction1 = (1.0 - beta1 ** t).to(torch.float32).view(-1, 1, 1)
+        correction2 = (1.0 - beta2 ** t).to(torch.float32).view(-1, 1)
+        denom = (v / correction2).sqrt_().add_(eps)
+        torch.div(m, correction1, out=s).div_(denom[..., None])

@@ -24,8 +24,10 @@ second kernel adds each matrix's partials in index order; no atomics.
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
+import struct
 from collections.abc import Sequence
 
 import torch
@@ -41,8 +43,9 @@ try:
 except AttributeError:  # Triton before 3.4 has no knobs and reads the variable directly
     INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-__all__ = ["INTERPRETED", "gaussian_matrices", "lowrank_update_", "orthonormalize",
-           "random_words", "sketch_stats", "stochastic_round_", "sum_squares"]
+__all__ = ["INTERPRETED", "gaussian_matrices", "lowrank_update_", "make_projections_",
+           "orthonormalize", "random_words", "row_adam_", "sketch_stats", "stochastic_round_",
+           "sum_squares"]
 
 _MUL1 = tl.constexpr(MIX32_MUL1)
 _MUL2 = tl.constexpr(MIX32_MUL2)
@@ -54,6 +57,10 @@ TABLE_COLUMNS = ("w", "u", "p", "m", "s_lo", "s_hi", "off_lo", "off_hi", "row_le
 _W, _U, _P, _M, _SLO, _SHI, _OLO, _OHI, _ROWLEN = (tl.constexpr(i)
                                                    for i in range(len(TABLE_COLUMNS)))
 _TABLE = tl.constexpr(len(TABLE_COLUMNS))
+# Columns of RowAdam's table: base pointers of S, m and v, the stack's index m in the list.
+ADAM_TABLE_COLUMNS = ("s", "exp_avg", "exp_avg_sq", "m")
+_ADAM_S, _ADAM_EXP_AVG, _ADAM_EXP_AVG_SQ, _ADAM_M = (tl.constexpr(i) for i in range(4))
+_ADAM_TABLE = tl.constexpr(len(ADAM_TABLE_COLUMNS))
 
 
 # ------------------------------------------------------------------------ device functions
@@ -183,17 +190,34 @@ _XSTEP = tl.constexpr(BM["XSTEP"])
 
 
 @triton.jit
-def _gaussian_kernel(g_ptr, seed_ptr, k, h, ldg, stride_gm, BLOCK: tl.constexpr):
-    """Box-Muller pairs ``m = i h + c`` of ``G[s]`` (rows ``ldg`` apart) for seed row ``s``
-    of the seed-word table: the float32 operations of
-    :func:`rgc.ops.reference.gaussian_matrices`, one by one. Launched with fused multiply-adds
-    off, and with IEEE division and square root, every value has the reference's bits."""
+def _rounded(x, OUT_DTYPE: tl.constexpr):
+    """FP32 or float64 ``x`` in OUT_DTYPE, rounded to nearest even (BF16 bitwise: the
+    interpreter's conversion truncates); float64 reaches BF16 and FP16 through FP32."""
+    if OUT_DTYPE == tl.float64:
+        return x.to(tl.float64)
+    x32 = x.to(tl.float32)
+    if OUT_DTYPE == tl.bfloat16:
+        return _bf16_from_bits(x32, 0x7FFF + ((x32.to(tl.uint32, bitcast=True) >> 16) & 1))
+    return x32.to(OUT_DTYPE)
+
+
+# Sizes and the row stride are not specialised: one binary per output dtype.
+@triton.jit(do_not_specialize=["k", "h", "n_cols", "stride_ok", "divisor"])
+def _gaussian_kernel(table_ptr, k, h, n_cols, stride_ok, stride_or, divisor,
+                     OUT_DTYPE: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr):
+    """Box-Muller pairs ``m = i h + c`` of the ``G`` of table row ``s`` (target pointer, seed
+    words): the float32 operations of :func:`rgc.ops.reference.gaussian_matrices`, one by one.
+    ``G[i, c]`` and ``G[i, h + c]`` (if ``h + c < n_cols``) go to the target, divided by
+    ``divisor`` if SCALED (the ``gaussian`` projection) and rounded to OUT_DTYPE. Launched with
+    fused multiply-adds off, and with IEEE division and square root, every value has the
+    reference's bits."""
     s = tl.program_id(1)
     m = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     pairs = k.to(tl.int64) * h
     mask = m < pairs
-    s_lo = tl.load(seed_ptr + 2 * s).to(tl.uint32)
-    s_hi = tl.load(seed_ptr + 2 * s + 1).to(tl.uint32)
+    entry = table_ptr + 3 * s
+    s_lo = tl.load(entry + 1).to(tl.uint32)
+    s_hi = tl.load(entry + 2).to(tl.uint32)
     m32 = m.to(tl.uint32)
     zero = tl.full((BLOCK,), 0, tl.uint32)  # (tl.zeros_like is a library function)
     w0 = _hash(m32, zero, s_lo, s_hi) >> 8
@@ -234,10 +258,198 @@ def _gaussian_kernel(g_ptr, seed_ptr, k, h, ldg, stride_gm, BLOCK: tl.constexpr)
     cs = cs * y + 1.0
     cq = tl.where(q == 0, cs, tl.where(q == 1, -sn, tl.where(q == 2, -cs, sn)))
     sq = tl.where(q == 0, sn, tl.where(q == 1, cs, tl.where(q == 2, -sn, -cs)))
+    g_cos = rho * cq
+    g_sin = rho * sq
+    if SCALED:
+        g_cos = tl.div_rn(g_cos, divisor)
+        g_sin = tl.div_rn(g_sin, divisor)
     i = m // h
-    row = g_ptr + s.to(tl.int64) * stride_gm + i * ldg + (m - i * h)
-    tl.store(row, rho * cq, mask=mask)
-    tl.store(row + h, rho * sq, mask=mask)
+    c = m - i * h
+    row = tl.load(entry).to(tl.pointer_type(OUT_DTYPE)) + i * stride_ok
+    tl.store(row + c * stride_or, _rounded(g_cos, OUT_DTYPE), mask=mask)
+    tl.store(row + (h + c) * stride_or, _rounded(g_sin, OUT_DTYPE), mask=mask & (h + c < n_cols))
+
+
+@triton.jit(do_not_specialize=["k", "r", "stride_ok", "mag_lo", "mag_hi"])
+def _rademacher_kernel(table_ptr, k, r, stride_ok, stride_or, mag_lo, mag_hi,
+                       OUT_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    """Entries ``n = i r + j`` of the Rademacher projection of table row ``s`` (target
+    pointer, seed words): ``+-magnitude`` (its bit pattern ``mag_hi:mag_lo`` in OUT_DTYPE),
+    negative where the hash word of ``n`` has its top bit set. Integer operations only."""
+    s = tl.program_id(1)
+    n = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = n < k.to(tl.int64) * r
+    entry = table_ptr + 3 * s
+    bits = _hash(n.to(tl.uint32), (n >> 32).to(tl.uint32), tl.load(entry + 1).to(tl.uint32),
+                 tl.load(entry + 2).to(tl.uint32))
+    magnitude = _join_words(mag_lo, mag_hi)
+    if OUT_DTYPE == tl.float64:
+        value = (magnitude.to(tl.uint64) | ((bits >> 31).to(tl.uint64) << 63)).to(
+            tl.float64, bitcast=True)
+    elif OUT_DTYPE == tl.float32:
+        value = (magnitude.to(tl.uint32) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+    else:
+        value = (magnitude.to(tl.uint32) | ((bits >> 16) & 0x8000)).to(tl.uint16).to(
+            OUT_DTYPE, bitcast=True)
+    i = n // r
+    out = tl.load(entry).to(tl.pointer_type(OUT_DTYPE)) + i * stride_ok + (n - i * r) * stride_or
+    tl.store(out, value, mask=mask)
+
+
+@triton.jit
+def _tile_cholesky(a, n, BLOCK: tl.constexpr):
+    """``(L, L^-1)`` of the leading n x n block of a symmetric positive definite BLOCK x BLOCK
+    float64 tile (its lower triangle is read; zeros elsewhere): column by column in registers,
+    then forward substitution row by row; lower triangular, exact zeros above the diagonal
+    and outside the n x n block. A column or row is taken out of the tile as a sum of it and
+    zeros, which is exact."""
+    idx = tl.arange(0, BLOCK)
+    rows = idx[:, None]
+    cols = idx[None, :]
+    low = tl.full((BLOCK, BLOCK), 0.0, tl.float64)
+    for j in range(n):
+        col = tl.reduce(tl.where(cols == j, a, 0.0), 1, _sum)
+        root = tl.sqrt(tl.reduce(tl.where(idx == j, col, 0.0), 0, _sum))
+        col = tl.where(idx > j, col / root, tl.where(idx == j, root, 0.0))
+        low = tl.where(cols == j, col[:, None], low)
+        a = a - col[:, None] * col[None, :]
+    inv = tl.full((BLOCK, BLOCK), 0.0, tl.float64)
+    for i in range(n):
+        row = tl.reduce(tl.where(rows == i, low, 0.0), 0, _sum)
+        diagonal = tl.reduce(tl.where(idx == i, row, 0.0), 0, _sum)
+        done = tl.reduce(row[:, None] * inv, 0, _sum)  # sum over k < i of L[i, k] inv[k, :]
+        inv = tl.where(rows == i, ((tl.where(idx == i, 1.0, 0.0) - done) / diagonal)[None, :],
+                       inv)
+    return low, inv
+
+
+@triton.jit
+def _block(base, ib, jb, r, BLOCK: tl.constexpr):
+    """Pointers and mask of block (ib, jb) of a contiguous r x r matrix."""
+    idx = tl.arange(0, BLOCK)
+    rows = ib * BLOCK + idx
+    cols = jb * BLOCK + idx
+    return (base + rows[:, None] * r + cols[None, :],
+            (rows < r)[:, None] & (cols < r)[None, :])
+
+
+@triton.jit(do_not_specialize=["r", "scale_lo", "scale_hi", "shift_lo", "shift_hi"])
+def _cholesky_inverse_kernel(gram_ptr, work_ptr, x_ptr, r, scale_lo, scale_hi, shift_lo,
+                             shift_hi, X_DTYPE: tl.constexpr, SHIFT: tl.constexpr,
+                             BLOCK: tl.constexpr):
+    """``X = scale L^-1`` (lower triangular, X_DTYPE) for the Cholesky factor ``L L^T`` of
+    Gram ``g`` (r x r, contiguous, FP32 or FP64), all in float64 by one program: a blocked
+    right-looking factorisation (diagonal tiles by :func:`_tile_cholesky`, panels and trailing
+    updates as tile products), then the blocked inverse, in a fixed order whatever the grid.
+    SHIFT first adds ``shift * trace`` to the diagonal (shifted CholeskyQR). ``work`` holds
+    L and the unscaled inverse (2 r^2 float64 per matrix). Only blocks on or below the
+    diagonal of X are written. Barriers order the program's own stores and loads."""
+    g = tl.program_id(0).to(tl.int64)
+    gram = gram_ptr + g * r * r
+    low = work_ptr + g * 2 * r * r
+    inv = low + r * r
+    x = x_ptr + g * r * r
+    idx = tl.arange(0, BLOCK)
+    eye = idx[:, None] == idx[None, :]
+    nb = (r + BLOCK - 1) // BLOCK
+    shift = 0.0
+    if SHIFT:
+        trace = tl.full((BLOCK,), 0.0, tl.float64)
+        for ib in range(nb):
+            rows = ib * BLOCK + idx
+            trace += tl.load(gram + rows * (r + 1), mask=rows < r, other=0.0).to(tl.float64)
+        shift = tl.reduce(trace, 0, _sum) * _float64(shift_lo, shift_hi)
+    for ib in range(nb):
+        for jb in range(ib + 1):
+            ptrs, mask = _block(gram, ib, jb, r, BLOCK)
+            tile = tl.load(ptrs, mask=mask, other=0.0).to(tl.float64)
+            if SHIFT:
+                tile = tl.where(eye & (ib == jb), tile + shift, tile)
+            ptrs, mask = _block(low, ib, jb, r, BLOCK)
+            tl.store(ptrs, tile, mask=mask)
+    tl.debug_barrier()
+    for kb in range(nb):
+        ptrs, mask = _block(low, kb, kb, r, BLOCK)
+        l_kk, inv_kk = _tile_cholesky(tl.load(ptrs, mask=mask, other=0.0),
+                                      tl.minimum(r - kb * BLOCK, BLOCK), BLOCK)
+        tl.store(ptrs, l_kk, mask=mask)
+        inv_ptrs, _ = _block(inv, kb, kb, r, BLOCK)
+        tl.store(inv_ptrs, inv_kk, mask=mask)
+        for ib in range(kb + 1, nb):  # the panel: L_ik = A_ik L_kk^-T
+            ptrs, mask = _block(low, ib, kb, r, BLOCK)
+            panel = tl.dot(tl.load(ptrs, mask=mask, other=0.0), tl.trans(inv_kk))
+            tl.debug_barrier()  # every thread has read the block it overwrites
+            tl.store(ptrs, panel, mask=mask)
+        tl.debug_barrier()
+        for ib in range(kb + 1, nb):  # the trailing update: A_ij -= L_ik L_jk^T, j <= i
+            ptrs, mask = _block(low, ib, kb, r, BLOCK)
+            l_ik = tl.load(ptrs, mask=mask, other=0.0)
+            for jb in range(kb + 1, ib + 1):
+                ptrs, mask = _block(low, jb, kb, r, BLOCK)
+                l_jk = tl.load(ptrs, mask=mask, other=0.0)
+                ptrs, mask = _block(low, ib, jb, r, BLOCK)
+                tile = tl.load(ptrs, mask=mask, other=0.0) - tl.dot(l_ik, tl.trans(l_jk))
+                tl.debug_barrier()
+                tl.store(ptrs, tile, mask=mask)
+        tl.debug_barrier()
+    # inv_ij = -inv_ii sum_{j <= k < i} L_ik inv_kj, block column by block column, down
+    for jb in range(nb):
+        for ib in range(jb + 1, nb):
+            acc = tl.full((BLOCK, BLOCK), 0.0, tl.float64)
+            for kb in range(jb, ib):
+                ptrs, mask = _block(low, ib, kb, r, BLOCK)
+                l_ik = tl.load(ptrs, mask=mask, other=0.0)
+                ptrs, mask = _block(inv, kb, jb, r, BLOCK)
+                acc = tl.dot(l_ik, tl.load(ptrs, mask=mask, other=0.0), acc)
+            ptrs, mask = _block(inv, ib, ib, r, BLOCK)
+            inv_ii = tl.load(ptrs, mask=mask, other=0.0)
+            ptrs, mask = _block(inv, ib, jb, r, BLOCK)
+            tl.store(ptrs, -tl.dot(inv_ii, acc), mask=mask)
+            tl.debug_barrier()
+    scale = _float64(scale_lo, scale_hi)
+    for ib in range(nb):
+        for jb in range(ib + 1):
+            ptrs, mask = _block(inv, ib, jb, r, BLOCK)
+            tile = tl.load(ptrs, mask=mask, other=0.0) * scale
+            ptrs, mask = _block(x, ib, jb, r, BLOCK)
+            tl.store(ptrs, tile.to(X_DTYPE), mask=mask)
+
+
+@triton.jit(do_not_specialize=["k", "r", "stride_gm", "stride_gk", "stride_ok"])
+def _projection_product_kernel(g_ptr, x_ptr, table_ptr, k, r, stride_gm, stride_gk, stride_gr,
+                               stride_ok, stride_or, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               FP64: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                               DOT_DTYPE: tl.constexpr):
+    """Tile of ``G_s X_s^T`` (k x r; X lower triangular r x r, contiguous, read only on and
+    below its diagonal) into the target of table row ``s``, rounded to OUT_DTYPE: in float64
+    (FP64), or in FP32 from three BF16 parts of G and X (see :func:`_split_dot`). The sum over
+    the r columns of G runs in one order, whatever the grid."""
+    s = tl.program_id(2)
+    row0 = tl.program_id(0) * BLOCK_M
+    col0 = tl.program_id(1) * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = col0 + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    g_base = g_ptr + s.to(tl.int64) * stride_gm + rows[:, None].to(tl.int64) * stride_gk
+    x_base = x_ptr + s.to(tl.int64) * r * r + cols[None, :] * r
+    if FP64:
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float64)
+    else:
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for c0 in range(0, tl.minimum(r, col0 + BLOCK_N), BLOCK_K):  # X^T is upper triangular
+        c = c0 + kk
+        a = tl.load(g_base + c[None, :] * stride_gr, mask=(rows < k)[:, None] & (c < r)[None, :],
+                    other=0.0)
+        b = tl.load(x_base + c[:, None], mask=(c[:, None] <= cols[None, :]) & (cols < r)[None, :],
+                    other=0.0)
+        if FP64:
+            acc = tl.dot(a.to(tl.float64), b.to(tl.float64), acc)
+        else:
+            acc = _split_dot(a, b, acc, 3, 3, DOT_DTYPE)
+    out = (tl.load(table_ptr + s).to(tl.pointer_type(OUT_DTYPE)) + rows[:, None] * stride_ok
+           + cols[None, :] * stride_or)
+    tl.store(out, _rounded(acc, OUT_DTYPE), mask=(rows < k)[:, None] & (cols < r)[None, :])
 
 
 # coefs / decays strides are values, not layouts: never specialised, so a norm pass and an
@@ -371,6 +583,28 @@ def _gram_kernel(table_ptr, out_ptr, k, r, stride_pk, stride_pr,
                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PARTS: tl.constexpr,
                  DOT_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, FP64: tl.constexpr,
                  PTR_ALIGNED: tl.constexpr):
+    """Tile (i, j) of ``P_g^T P_g`` (see :func:`_gram_tile`), sizes and strides specialised
+    (the sketch norms' Grams)."""
+    _gram_tile(table_ptr, out_ptr, k, r, stride_pk, stride_pr, BLOCK_R, BLOCK_K, PARTS,
+               DOT_DTYPE, P_DTYPE, FP64, PTR_ALIGNED)
+
+
+# The refresh's Grams: one binary per dtype whatever k, r and G's row stride.
+@triton.jit(do_not_specialize=["k", "r", "stride_pk"])
+def _refresh_gram_kernel(table_ptr, out_ptr, k, r, stride_pk, stride_pr,
+                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PARTS: tl.constexpr,
+                         DOT_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, FP64: tl.constexpr,
+                         PTR_ALIGNED: tl.constexpr):
+    """Tile (i, j) of ``G_g^T G_g`` for the P refresh (see :func:`_gram_tile`)."""
+    _gram_tile(table_ptr, out_ptr, k, r, stride_pk, stride_pr, BLOCK_R, BLOCK_K, PARTS,
+               DOT_DTYPE, P_DTYPE, FP64, PTR_ALIGNED)
+
+
+@triton.jit
+def _gram_tile(table_ptr, out_ptr, k, r, stride_pk, stride_pr,
+               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PARTS: tl.constexpr,
+               DOT_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, FP64: tl.constexpr,
+               PTR_ALIGNED: tl.constexpr):
     """Tile (i, j) of ``P_g^T P_g`` (r x r, reduced over the k rows in order) into
     ``out[g]`` (contiguous). FP32 from BF16 parts (exact for a BF16 P), or FP64 (products of
     FP32 values are exact in FP64)."""
@@ -442,6 +676,83 @@ def _sketch_stats_kernel(table_ptr, gram_ptr, partial_ptr, flag_ptr, d, r,
     tl.store(flag_ptr + out, _tile_sum(bad))
 
 
+@triton.jit
+def _float64(lo, hi):
+    """The float64 whose bit pattern has the 32-bit halves ``lo``, ``hi`` (a Python float
+    argument would arrive as FP32)."""
+    return _join_words(lo, hi).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _one_minus_power(beta, t):
+    """FP32 ``1 - beta^t`` for float64 ``beta`` and int64 ``t >= 0``: the power by binary
+    exponentiation in float64 (< 2 log2(t) + 1 roundings), then one rounding to FP32."""
+    power = beta * 0.0 + 1.0
+    base = beta
+    n = t
+    while n > 0:
+        power = tl.where((n & 1) == 1, power * base, power)
+        base = base * base
+        n = n >> 1
+    return (1.0 - power).to(tl.float32)
+
+
+# Strides of the [M, E] tables and the beta words are values, not layouts: never specialised
+# (nor r, which is also a divisor).
+@triton.jit(do_not_specialize=["r", "active_ptr", "steps_ptr", "stride_am", "stride_ae",
+                               "stride_tm", "stride_te", "b1_lo", "b1_hi", "b2_lo", "b2_hi"])
+def _row_adam_kernel(table_ptr, active_ptr, steps_ptr, d, r,
+                     stride_se, stride_sd, stride_sr, stride_me, stride_md, stride_mr,
+                     stride_ve, stride_vd, stride_am, stride_ae, stride_tm, stride_te,
+                     sign, beta1, rest1, beta2, rest2, eps, b1_lo, b1_hi, b2_lo, b2_hi,
+                     BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, PTR_ALIGNED: tl.constexpr):
+    """BLOCK_D rows of matrix ``e`` of stack ``g``: RowAdam's moments and ``U`` into S
+    (:func:`rgc.ops.reference.row_adam_`), with ``g = sign S`` (-1 for ``maximize``: exact).
+    Two passes over the rows' r columns: the sum of squares of S (for v), then m and U, each
+    element of S read and written by one program; m and v are stored only where the matrix
+    is active."""
+    blk = tl.program_id(0)
+    e = tl.program_id(1)
+    g = tl.program_id(2)
+    entry = table_ptr + g * _ADAM_TABLE
+    m = tl.load(entry + _ADAM_M)
+    ok = tl.load(active_ptr + m * stride_am + e * stride_ae) != 0
+    t = tl.load(steps_ptr + m * stride_tm + e * stride_te)
+    correction1 = _one_minus_power(_float64(b1_lo, b1_hi), t)
+    correction2 = _one_minus_power(_float64(b2_lo, b2_hi), t)
+    row0 = blk * BLOCK_D
+    rows = tl.arange(0, BLOCK_D)
+    cols = tl.arange(0, BLOCK_R)
+    row_ok = rows < d - row0
+    s_base = (_pointer(tl.load(entry + _ADAM_S), tl.float32, PTR_ALIGNED)
+              + e.to(tl.int64) * stride_se + row0.to(tl.int64) * stride_sd)
+    m_base = (_pointer(tl.load(entry + _ADAM_EXP_AVG), tl.float32, PTR_ALIGNED)
+              + e.to(tl.int64) * stride_me + row0.to(tl.int64) * stride_md)
+    v_ptrs = (_pointer(tl.load(entry + _ADAM_EXP_AVG_SQ), tl.float32, PTR_ALIGNED)
+              + e.to(tl.int64) * stride_ve + row0.to(tl.int64) * stride_vd + rows * stride_vd)
+    s_off = rows[:, None] * stride_sd + cols[None, :] * stride_sr
+    m_off = rows[:, None] * stride_md + cols[None, :] * stride_mr
+    squares = tl.full((BLOCK_D,), 0.0, tl.float32)
+    for r0 in range(0, r, BLOCK_R):
+        mask = row_ok[:, None] & (cols < r - r0)[None, :]
+        s = tl.load(s_base + r0 * stride_sr + s_off, mask=mask, other=0.0)
+        squares += tl.reduce(s * s, 1, _sum)
+    v = tl.load(v_ptrs, mask=row_ok, other=0.0)
+    # b v + (1 - b) x as torch's add_ with alpha computes it: one fused multiply-add
+    v = tl.where(ok, tl.fma(rest2, tl.div_rn(squares, r.to(tl.float32)), beta2 * v), v)
+    tl.store(v_ptrs, v, mask=tl.where(ok, row_ok, False))
+    denom = tl.sqrt_rn(tl.div_rn(v, correction2)) + eps
+    for r0 in range(0, r, BLOCK_R):
+        mask = row_ok[:, None] & (cols < r - r0)[None, :]
+        s_ptrs = s_base + r0 * stride_sr + s_off
+        m_ptrs = m_base + r0 * stride_mr + m_off
+        s = tl.load(s_ptrs, mask=mask, other=0.0) * sign
+        mo = tl.load(m_ptrs, mask=mask, other=0.0)
+        mo = tl.where(ok, tl.fma(rest1, s, beta1 * mo), mo)
+        tl.store(m_ptrs, mo, mask=tl.where(ok, mask, False))
+        tl.store(s_ptrs, tl.div_rn(tl.div_rn(mo, correction1), denom[:, None]), mask=mask)
+
+
 # ------------------------------------------------------------------------ launch tables
 
 ROUND_BLOCK = 1024
@@ -460,8 +771,16 @@ MAXNREG_ALIGNED = 128
 MAXNREG_MISALIGNED = 160
 GRAM_TILE = dict(BLOCK_R=64, BLOCK_K=32, num_warps=4, num_stages=1)
 STATS_TILE = dict(BLOCK_M=64, BLOCK_R=16, num_warps=4, num_stages=1)
-# One launch's grid axes 1 and 2 (experts, stacks) are limited to 65535 by CUDA.
+# The r x r Cholesky factor and inverse: one program per matrix, tiles of 32 x 32 float64.
+CHOLESKY_TILE = dict(BLOCK=32, num_warps=8, num_stages=1, maxnreg=192)
+# The projection G X^T: tiles of 64 x 64 of the k x r result, X^T's rows 16 at a time.
+PRODUCT_TILE = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=1)
+# RowAdam's moments: 64 rows x 32 columns per step of the r-loop (memory-bound, d x r).
+ADAM_TILE = dict(BLOCK_D=64, BLOCK_R=32, num_warps=8, num_stages=1)
+# One launch's grid axes 1 and 2 (experts, stacks) are limited to 65535 by CUDA, axis 0 to
+# 2**31 - 1.
 _MAX_GRID_YZ = 65535
+_MAX_GRID_X = 2**31 - 1
 
 
 def _int32(v: int) -> int:
@@ -648,14 +967,25 @@ def gaussian_matrices(k: int, r: int, seeds: list[int], device: torch.device) ->
     seeds (their words in a table)."""
     k, r = _check_int("k", k, 0), _check_int("r", r, 0)
     seeds = [_check_int("seed", s) for s in seeds]
-    h = (r + 1) // 2
-    if 2 * k * h >= 1 << 32:
-        raise ValueError(f"a {k} x {r} projection is too large (2 k ceil(r/2) >= 2**32)")
+    _check_projection_size(k, r)
     device = torch.device(device)
-    g = torch.empty(len(seeds), k, 2 * h, dtype=torch.float32, device=device)
+    g = torch.empty(len(seeds), k, 2 * ((r + 1) // 2), dtype=torch.float32, device=device)
     _check_device(g)
-    _launch(gaussian_launches(g, k, h, seeds))
+    _launch(gaussian_launches(g, k, (r + 1) // 2, seeds))
     return g[:, :, :r]
+
+
+def _check_projection_size(k: int, r: int) -> None:
+    if 2 * k * ((r + 1) // 2) >= 1 << 32:
+        raise ValueError(f"a {k} x {r} projection is too large (2 k ceil(r/2) >= 2**32)")
+
+
+def _seed_table(targets: list[torch.Tensor], seeds: list[int], label: str) -> torch.Tensor:
+    """Rows ``(target pointer, seed words)`` of the projection kernels, on the targets' device."""
+    if len(seeds) > _MAX_GRID_YZ:
+        raise ValueError(f"at most {_MAX_GRID_YZ} seeds per call, got {len(seeds)}")
+    return _table([[t.data_ptr(), *seed_words(seed, label)]
+                   for t, seed in zip(targets, seeds, strict=True)], targets[0].device)
 
 
 def gaussian_launches(g: torch.Tensor, k: int, h: int, seeds: list[int]) -> list[tuple]:
@@ -663,12 +993,12 @@ def gaussian_launches(g: torch.Tensor, k: int, h: int, seeds: list[int]) -> list
     stride), one grid row per seed."""
     if not seeds or k * h == 0:
         return []
-    table = _table([list(seed_words(s, GAUSSIAN_LABEL)) for s in seeds], g.device)
     grid = (triton.cdiv(k * h, GAUSSIAN_BLOCK), len(seeds))
-    if len(seeds) > _MAX_GRID_YZ:
-        raise ValueError(f"at most {_MAX_GRID_YZ} seeds per call, got {len(seeds)}")
-    return [(_gaussian_kernel, grid, (g, table, k, h, g.stride(1), g.stride(0)),
-             dict(BLOCK=GAUSSIAN_BLOCK, num_warps=4, enable_fp_fusion=False))]
+    return [(_gaussian_kernel, grid,
+             (_seed_table(list(g.unbind(0)), seeds, GAUSSIAN_LABEL), k, h, 2 * h, g.stride(1),
+              g.stride(2), 1.0),
+             dict(OUT_DTYPE=tl.float32, SCALED=False, BLOCK=GAUSSIAN_BLOCK, num_warps=4,
+                  enable_fp_fusion=False))]
 
 
 # ----------------------------------------------------------------- the update and the norms
@@ -879,9 +1209,11 @@ def _gram_config(p: torch.Tensor, fp64: bool) -> dict:
 
 
 def gram_launches(matrices: list[torch.Tensor], out: torch.Tensor,
-                  fp64: bool = False) -> list[tuple]:
+                  fp64: bool = False, refresh: bool = False) -> list[tuple]:
     """Launches writing ``out[i] = matrices[i]^T matrices[i]`` (each ``[k, r]``, one layout;
-    ``out`` ``[M, r, r]`` contiguous, FP32 or FP64 with ``fp64``): one launch."""
+    ``out`` ``[M, r, r]`` contiguous, FP32 or FP64 with ``fp64``): one launch, of the
+    specialised :func:`_gram_kernel`, or for the P refresh of :func:`_refresh_gram_kernel`
+    (one binary per dtype: no size, stride or alignment specialised)."""
     if not matrices:
         return []
     p = matrices[0]
@@ -893,9 +1225,9 @@ def gram_launches(matrices: list[torch.Tensor], out: torch.Tensor,
                                         (max(r, cfg["BLOCK_R"]), p.stride(1))])
     table = _table([[t.data_ptr()] for t in matrices], out.device)
     tiles = triton.cdiv(r, cfg["BLOCK_R"])
-    return [(_gram_kernel, (tiles, tiles, len(matrices)),
+    return [(_refresh_gram_kernel if refresh else _gram_kernel, (tiles, tiles, len(matrices)),
              (table, out, k, r, *p.stride()),
-             dict(cfg, PTR_ALIGNED=_aligned_ptrs(*matrices)))]
+             dict(cfg, PTR_ALIGNED=not refresh and _aligned_ptrs(*matrices)))]
 
 
 def sketch_stats_launches(sketches: list[torch.Tensor], projections: list[torch.Tensor],
@@ -969,58 +1301,238 @@ def sketch_stats(sketches: list[torch.Tensor], projections: list[torch.Tensor]
 
 def orthonormalize(g: torch.Tensor, scale: float, gram_fp64: bool) -> torch.Tensor:
     """``scale Q`` of the thin QR of each ``g[m]`` (``[M, k, r]`` FP32), as
-    :func:`rgc.ops.reference.orthonormalize`.
-
-    For ``k >= 4 r`` (one CholeskyQR pass) the Gram ``g^T g`` of all M matrices is one Triton
-    launch (FP32 from BF16 parts on tensor cores, or FP64 with ``gram_fp64``: no float64 copy
-    of g); the r x r Cholesky factor and its scaled inverse are torch's batched linear algebra
-    (:func:`rgc.ops.reference._scaled_inverse_cholesky`) and ``g R^-1`` one batched product.
-    ``k < 4 r`` (small k) is the reference's float64 CholeskyQR3."""
+    :func:`rgc.ops.reference.orthonormalize` (FP32, or float64 for ``k < 4 r``), each matrix
+    by its own programs (its bits do not depend on M): see :func:`orthonormal_launches`."""
     if g.dim() != 3 or g.dtype != torch.float32:
         raise ValueError(f"g must be a 3-D [M, k, r] FP32 tensor, got {g.dim()}-D {g.dtype}")
     _check_device(g)
     m, k, r = g.shape
-    if k < 4 * r or m == 0 or r == 0:
-        return reference.orthonormalize(g, scale, gram_fp64)
-    gram = torch.empty(m, r, r, dtype=torch.float64 if gram_fp64 else torch.float32,
-                       device=g.device)
-    _launch(gram_launches(list(g.unbind(0)), gram, fp64=gram_fp64))
-    inverse = reference._scaled_inverse_cholesky(gram, scale)
-    return torch.bmm(g, inverse.to(torch.float32))
+    out = torch.empty(m, k, r, dtype=torch.float32 if k >= 4 * r else torch.float64,
+                      device=g.device)
+    if m and k and r:
+        _launch(orthonormal_launches(g, list(out.unbind(0)), scale, gram_fp64))
+    return out
 
+
+def orthonormal_launches(g: torch.Tensor, outs: list[torch.Tensor], scale: float,
+                         gram_fp64: bool) -> list[tuple]:
+    """``outs[m] <- scale Q_m`` for the thin QR ``g[m] = Q_m R_m`` (``R`` with a positive
+    diagonal), rounded to the outputs' dtype (one layout); g: ``[M, k, r]`` FP32 (any
+    strides), full column rank, ``k >= r``.
+
+    ``k >= 4 r``: one CholeskyQR pass. The Gram ``g^T g`` (FP32 from BF16 parts, or FP64 with
+    ``gram_fp64``), then ``X = scale L^-1`` of its Cholesky factor in float64 by one program
+    per matrix (rounded to FP32), then ``g X^T`` in FP32 from BF16 parts: three launches.
+    ``k < 4 r``: shifted CholeskyQR3 in float64 (the shift of
+    :func:`rgc.ops.reference.orthonormalize` on the first Gram): nine launches, through two
+    float64 ``[M, k, r]`` buffers. Every launch runs one or more programs per matrix, whose
+    work does not depend on the others: a matrix has the same bits in any batch. The buffers
+    are allocated here (``8 r^2`` bytes per matrix of Gram, ``16 r^2`` of work, ``4 or 8 r^2``
+    of X, plus ``16 k r`` for ``k < 4 r``)."""
+    m, k, r = g.shape
+    device = g.device
+    gram = torch.empty(m, r, r, dtype=torch.float32 if (k >= 4 * r and not gram_fp64)
+                       else torch.float64, device=device)
+    work = torch.empty(m, 2, r, r, dtype=torch.float64, device=device)
+    one_pass = k >= 4 * r
+    x = torch.empty(m, r, r, dtype=torch.float32 if one_pass else torch.float64, device=device)
+    if one_pass:
+        return [*gram_launches(list(g.unbind(0)), gram, gram_fp64, refresh=True),
+                _cholesky_inverse_launch(gram, work, x, scale), _product_launch(g, x, outs)]
+    buffers = torch.empty(2, m, k, r, dtype=torch.float64, device=device)
+    unit = torch.finfo(torch.float64).eps / 2
+    shift = 11 * (k * r + r * (r + 1)) * unit
+    launches, q = [], g
+    for i in range(3):
+        target = outs if i == 2 else list(buffers[i % 2].unbind(0))
+        launches += [*gram_launches(list(q.unbind(0)), gram, True, refresh=True),
+                     _cholesky_inverse_launch(gram, work, x, scale if i == 2 else 1.0,
+                                              shift if i == 0 else None),
+                     _product_launch(q, x, target)]
+        q = buffers[i % 2]
+    return launches
+
+
+def _cholesky_inverse_launch(gram: torch.Tensor, work: torch.Tensor, x: torch.Tensor,
+                             scale: float, shift: float | None = None) -> tuple:
+    if gram.shape[0] > _MAX_GRID_X:
+        raise ValueError(f"at most {_MAX_GRID_X} matrices per launch, got {gram.shape[0]}")
+    return (_cholesky_inverse_kernel, (gram.shape[0],),
+            (gram, work, x, gram.shape[1], *_float64_words(scale), *_float64_words(shift or 0.0)),
+            dict(CHOLESKY_TILE, X_DTYPE=_TL_DTYPES[x.dtype], SHIFT=shift is not None,
+                 enable_fp_fusion=True))
+
+
+def _product_launch(g: torch.Tensor, x: torch.Tensor, outs: list[torch.Tensor]) -> tuple:
+    m, k, r = g.shape
+    out = outs[0]
+    cfg = PRODUCT_TILE
+    _check_int32_offsets("projection", [(k, out.stride(0)), (r, out.stride(1))])
+    grid = (triton.cdiv(k, cfg["BLOCK_M"]), triton.cdiv(r, cfg["BLOCK_N"]), m)
+    return (_projection_product_kernel, grid,
+            (g, x, _table([[o.data_ptr()] for o in outs], g.device), k, r, *g.stride(),
+             *out.stride()),
+            dict(cfg, FP64=x.dtype == torch.float64, OUT_DTYPE=_OUT_DTYPES[out.dtype],
+                 DOT_DTYPE=_dot_dtype(), enable_fp_fusion=True))
 
 
 # --------------------------------------------------------------------- projection refresh
 
-#: Bytes of G generated at once by :func:`make_projections_` (the transient of a refresh).
+#: Bytes of the refresh's buffers at once (G and the r x r work; the float64 CholeskyQR3
+#: buffers for k < 4 r): :func:`make_projections_` works in chunks of seeds within it.
 PROJECTION_CHUNK_BYTES = 64 << 20
+PROJECTION_KINDS = ("orthonormal", "gaussian", "rademacher")
+
+
+def projection_bytes(k: int, r: int) -> int:
+    """Bytes of the buffers of one orthonormal projection in :func:`make_projections_`."""
+    g = 8 * k * ((r + 1) // 2)
+    return g + (28 * r * r if k >= 4 * r else 32 * r * r + 16 * k * r)
 
 
 def make_projections_(outs: list[torch.Tensor], kind: str, seeds: list[int]) -> None:
-    """:func:`rgc.ops.reference.make_projections_` on CUDA: for every chunk of at most
-    :data:`PROJECTION_CHUNK_BYTES` of G, one Gaussian launch for all its seeds, one batched
-    orthonormalisation (:func:`orthonormalize`) and one grouped copy into the buffers (with
-    the rounding to their dtype). Rademacher projections are one hash launch per seed."""
+    """:func:`rgc.ops.reference.make_projections_` on CUDA, batch-invariant: each projection
+    has the bits it would have alone. Per group of outputs of one layout, ``rademacher`` and
+    ``gaussian`` are one launch for all seeds (a seed table; bit-identical with the
+    reference); ``orthonormal`` works in chunks of seeds whose buffers
+    (:func:`projection_bytes` each) fit in :data:`PROJECTION_CHUNK_BYTES`, one Gaussian launch
+    and :func:`orthonormal_launches` per chunk (close to the reference, not equal)."""
     if not outs:
         return
-    device = _check_device(*outs)
+    _check_projections(outs, kind, seeds)
     k, r = outs[0].shape
-    if any(tuple(o.shape) != (k, r) for o in outs):
-        raise ValueError(f"every projection buffer must be {k} x {r}, got "
-                         f"{sorted({tuple(o.shape) for o in outs})}")
+    for group in _groups([_layout_key(o) for o in outs]):
+        step = (max(1, PROJECTION_CHUNK_BYTES // projection_bytes(k, r))
+                if kind == "orthonormal" else len(group))
+        for start in range(0, len(group), step):
+            chunk = group[start:start + step]  # one chunk's buffers at a time
+            _launch(projection_launches([outs[i] for i in chunk], kind, [seeds[i] for i in chunk]))
+
+
+def _check_projections(outs: list[torch.Tensor], kind: str, seeds: list[int]) -> None:
+    _check_device(*outs)
+    k, r = outs[0].shape[-2:]
+    if kind not in PROJECTION_KINDS:
+        raise ValueError(f"unknown projection kind {kind!r}; choose one of {PROJECTION_KINDS}")
+    if len(seeds) != len(outs):
+        raise ValueError(f"one seed per projection buffer: {len(outs)} buffers, "
+                         f"{len(seeds)} seeds")
+    for o in outs:
+        if o.dim() != 2 or tuple(o.shape) != (k, r) or o.dtype not in _OUT_DTYPES:
+            raise ValueError(f"every projection buffer must be a {k} x {r} BF16, FP16, FP32 or "
+                             f"float64 tensor, got {o.dtype} {tuple(o.shape)}")
+    for s in seeds:
+        _check_int("seed", s)
+    _check_projection_size(k, r)
+    if kind == "orthonormal" and r > k:
+        raise ValueError(f"an orthonormal projection needs r <= k, got {k} x {r}")
+
+
+def projection_launches(outs: list[torch.Tensor], kind: str, seeds: list[int]) -> list[tuple]:
+    """The launches of :func:`make_projections_` for outputs of one layout (one chunk), their
+    buffers allocated."""
+    _check_projections(outs, kind, seeds)
+    out = outs[0]
+    k, r = out.shape
+    h = (r + 1) // 2
+    dtype = _OUT_DTYPES[out.dtype]
+    if k * r == 0:
+        return []
     if kind == "rademacher":
-        for out, seed in zip(outs, seeds, strict=True):
-            words = random_words(k * r, seed, reference.RADEMACHER_LABEL, 0, device)
-            magnitude = torch.tensor(r ** -0.5, dtype=out.dtype, device=device)
-            torch.where(words.view(k, r) < 0, -magnitude, magnitude, out=out)
-        return
-    step = max(1, PROJECTION_CHUNK_BYTES // max(1, 8 * k * ((r + 1) // 2)))
-    for start in range(0, len(outs), step):
-        chunk = outs[start:start + step]
-        g = gaussian_matrices(k, r, list(seeds[start:start + step]), device)
-        if kind == "gaussian":
-            new = g / r ** 0.5
-        else:
-            new = orthonormalize(g.contiguous(), (k / r) ** 0.5,
-                                 any(o.dtype != torch.bfloat16 for o in chunk))
-        torch._foreach_copy_(chunk, list(new.unbind(0)))
+        # the reference's magnitude, rounded to the dtype on the host (a host tensor's bits)
+        pattern = torch.tensor([1.0 / math.sqrt(r)], dtype=out.dtype).view(
+            _INT_OF[out.dtype]).tolist()[0]
+        return [(_rademacher_kernel, (triton.cdiv(k * r, WORDS_BLOCK), len(outs)),
+                 (_seed_table(outs, seeds, reference.RADEMACHER_LABEL), k, r, *out.stride(),
+                  *_words(pattern & (2**64 - 1))),
+                 dict(OUT_DTYPE=dtype, BLOCK=WORDS_BLOCK, num_warps=4, enable_fp_fusion=True))]
+    if kind == "gaussian":
+        return [(_gaussian_kernel, (triton.cdiv(k * h, GAUSSIAN_BLOCK), len(outs)),
+                 (_seed_table(outs, seeds, GAUSSIAN_LABEL), k, h, r, *out.stride(),
+                  math.sqrt(r)),
+                 dict(OUT_DTYPE=dtype, SCALED=True, BLOCK=GAUSSIAN_BLOCK, num_warps=4,
+                      enable_fp_fusion=False))]
+    g = torch.empty(len(seeds), k, 2 * h, dtype=torch.float32, device=out.device)
+    return [*gaussian_launches(g, k, h, seeds),
+            *orthonormal_launches(g[:, :, :r], outs, math.sqrt(k / r),
+                                  out.dtype != torch.bfloat16)]
+
+
+_OUT_DTYPES = {**_TL_DTYPES, torch.float16: tl.float16}
+_INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+           torch.float64: torch.int64}
+
+
+# ------------------------------------------------------------------------------- RowAdam
+
+def _float64_words(x: float) -> tuple[int, int]:
+    """The float64 bit pattern of ``x`` as two int32 words (see the kernels' _float64)."""
+    return _words(struct.unpack("<q", struct.pack("<d", float(x)))[0] & (2**64 - 1))
+
+
+def row_adam_launches(sketches: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                      exp_avg_sqs: list[torch.Tensor], active: torch.Tensor,
+                      steps: torch.Tensor, beta1: float, beta2: float, eps: float,
+                      maximize: bool) -> list[tuple]:
+    """The launches of :func:`row_adam_`, checked: one per group of stacks whose S, m and v
+    have equal layouts, over (row block, expert, stack)."""
+    if not sketches:
+        return []
+    count = len(sketches)
+    if not len(exp_avgs) == len(exp_avg_sqs) == count:
+        raise ValueError(f"sketches, exp_avgs and exp_avg_sqs must have one entry per stack, "
+                         f"got {count}, {len(exp_avgs)}, {len(exp_avg_sqs)}")
+    for m, (s, mo, v) in enumerate(zip(sketches, exp_avgs, exp_avg_sqs)):
+        if s.dim() != 3 or s.dtype != torch.float32:
+            raise ValueError(f"sketches[{m}] must be a 3-D [E, d, r] FP32 tensor, got "
+                             f"{s.dim()}-D {s.dtype}")
+        if mo.dtype != torch.float32 or mo.shape != s.shape:
+            raise ValueError(f"exp_avgs[{m}] must be FP32 of the sketch's shape "
+                             f"{tuple(s.shape)}, got {mo.dtype} {tuple(mo.shape)}")
+        if v.dtype != torch.float32 or v.shape != s.shape[:2]:
+            raise ValueError(f"exp_avg_sqs[{m}] must be FP32 of shape {tuple(s.shape[:2])} "
+                             f"(one value per row), got {v.dtype} {tuple(v.shape)}")
+    device = _check_device(*sketches, *exp_avgs, *exp_avg_sqs)
+    e_max = max(s.shape[0] for s in sketches)
+    _check_matrix_table("active", active, count, e_max, device, torch.bool)
+    _check_matrix_table("steps", steps, count, e_max, device, torch.int64)
+    for name, b in (("beta1", beta1), ("beta2", beta2), ("eps", eps)):
+        if not isinstance(b, numbers.Real) or not math.isfinite(b):
+            raise ValueError(f"{name} must be a finite number, got {b!r}")
+    active = active.view(torch.uint8)
+    launches = []
+    keys = [(_layout_key(s), _layout_key(mo), _layout_key(v))
+            for s, mo, v in zip(sketches, exp_avgs, exp_avg_sqs)]
+    for group in _groups(keys):
+        s, mo, v = sketches[group[0]], exp_avgs[group[0]], exp_avg_sqs[group[0]]
+        e, d, r = s.shape
+        if e * d * r == 0:
+            continue
+        r_span = max(r, ADAM_TILE["BLOCK_R"])
+        _check_int32_offsets("sketches", [(ADAM_TILE["BLOCK_D"], s.stride(1)),
+                                          (r_span, s.stride(2))])
+        _check_int32_offsets("exp_avgs", [(ADAM_TILE["BLOCK_D"], mo.stride(1)),
+                                          (r_span, mo.stride(2))])
+        tensors = [t for m in group for t in (sketches[m], exp_avgs[m], exp_avg_sqs[m])]
+        table = _table([[sketches[m].data_ptr(), exp_avgs[m].data_ptr(),
+                         exp_avg_sqs[m].data_ptr(), m] for m in group], device)
+        launches.append((
+            _row_adam_kernel, (triton.cdiv(d, ADAM_TILE["BLOCK_D"]), e, len(group)),
+            (table, active, steps, d, r, *s.stride(), *mo.stride(), *v.stride(),
+             *active.stride(), *steps.stride(), -1.0 if maximize else 1.0, float(beta1),
+             1.0 - beta1, float(beta2), 1.0 - beta2, float(eps), *_float64_words(beta1),
+             *_float64_words(beta2)),
+            dict(ADAM_TILE, PTR_ALIGNED=_aligned_ptrs(*tensors), enable_fp_fusion=False)))
+    return launches
+
+
+def row_adam_(sketches: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+              exp_avg_sqs: list[torch.Tensor], active: torch.Tensor, steps: torch.Tensor,
+              beta1: float, beta2: float, eps: float, maximize: bool) -> None:
+    """RowAdam's moments and direction per matrix, in place (contract:
+    :func:`rgc.ops.reference.row_adam_`): one launch per group of equal layouts, nothing read
+    on the host. Every operation is the reference's, rounded once (fused multiply-adds where
+    torch's ``add_(x, alpha=)`` fuses, IEEE division and square root, bias corrections in
+    float64); only the order in which ``mean_j S^2`` adds a row differs."""
+    _launch(row_adam_launches(sketches, exp_avgs, exp_avg_sqs, active, steps, beta1, beta2,
+                              eps, maximize))

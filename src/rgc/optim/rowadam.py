@@ -51,10 +51,17 @@ class RowAdam(SketchOptimizer):
         U = (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps)   (row i divided by its scale)
         W <- W (1 - lr * weight_decay) - lr * U P^T
 
-    The weight decay is decoupled (AdamW-style) and, when non-zero, a separate rounded pass
-    over W. ``U P^T`` is rebuilt by :func:`rgc.ops.lowrank_update_` (never a d x k
-    temporary beyond ``chunk_rows`` rows) with the rounding bits of :class:`rgc.RGCOptimizer`.
-    Every element of ``U P^T`` has size about 1, so ``lr`` means what it means for Adam.
+    The weight decay is decoupled (AdamW-style) and folded into the update's one rounded
+    write. The moments of all the weights of one shape are updated, and ``U`` written into
+    their sketches, by one :func:`rgc.ops.row_adam_` call; ``U P^T`` is rebuilt by
+    :func:`rgc.ops.lowrank_update_` (never a d x k temporary beyond ``chunk_rows`` rows) with
+    the rounding bits of :class:`rgc.RGCOptimizer`. Every element of ``U P^T`` has size about
+    1, so ``lr`` means what it means for Adam.
+
+    **Experts.** A stack of E expert matrices (a 3-D weight) keeps ``m`` ``E x d x r`` and
+    ``v`` ``E x d``, and counts each expert's applied updates (its ``t``) in
+    ``state['expert_updates']``: an expert whose sketch is zero received no token and is not
+    updated.
 
     **Projection refresh.** When the layer's schedule gives a new ``P``, ``m`` is carried into
     the new basis with :func:`carry_moment` (``m <- m (P_old^T P_old)^+ P_old^T P_new``); ``v``
@@ -91,7 +98,6 @@ class RowAdam(SketchOptimizer):
 
     State per compressed weight: ``exp_avg`` (d x r FP32), ``exp_avg_sq`` (d FP32), step
     counters, layer seed and projection version; ``state_dict`` round-trips bit-exactly.
-    The weight decay, when non-zero, stays a pass over W of its own.
     """
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, *,
@@ -111,38 +117,25 @@ class RowAdam(SketchOptimizer):
         check_adam_args(group["betas"], group["eps"], group["weight_decay"])
 
     @staticmethod
-    def _moments(state: dict, group: dict, grad: torch.Tensor, row_mean_square: bool,
-                 ok: torch.Tensor, t: torch.Tensor, out: torch.Tensor | None = None):
-        """Update ``exp_avg``/``exp_avg_sq`` from ``grad`` where ``ok`` (the moments are
-        selected unchanged elsewhere); return the Adam direction (into ``out`` if given; not
-        finite where ``ok`` is false: its coefficient is then 0).
-
-        ``row_mean_square``: ``grad`` is a sketch ``[..., d, r]`` and ``exp_avg_sq`` holds one
-        value per row ``[..., d]``; ``ok`` and ``t`` (float64 applied-update counts) broadcast
-        over the leading dimensions.
-        """
+    def _moments(state: dict, group: dict, grad: torch.Tensor, ok: torch.Tensor,
+                 t: torch.Tensor) -> torch.Tensor:
+        """Elementwise Adam for a dense parameter: update ``exp_avg``/``exp_avg_sq`` from
+        ``grad`` where ``ok`` (0-dim bool; the moments are selected unchanged elsewhere) and
+        return the direction (not finite where ``ok`` is false: its coefficient is then 0).
+        ``t``: the applied-update count, 0-dim float64."""
         beta1, beta2 = group["betas"]
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(grad, dtype=torch.float32)
-            shape = grad.shape[:-1] if row_mean_square else grad.shape
-            state["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=grad.device)
+            state["exp_avg_sq"] = torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
         m, v = state["exp_avg"], state["exp_avg_sq"]
         g = grad.to(torch.float32)
-        lead = ok.dim()  # ok, t: 0-dim, or [E] for a stack of experts
-
-        def per(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # broadcast over like
-            return x.reshape(x.shape + (1,) * (like.dim() - lead))
-
-        m.copy_(torch.where(per(ok, m), m.mul(beta1).add_(g, alpha=1.0 - beta1), m))
-        g2 = g.square().mean(dim=-1) if row_mean_square else g.square()
-        v.copy_(torch.where(per(ok, v), v.mul(beta2).add_(g2, alpha=1.0 - beta2), v))
+        m.copy_(torch.where(ok, m.mul(beta1).add_(g, alpha=1.0 - beta1), m))
+        v.copy_(torch.where(ok, v.mul(beta2).add_(g.square(), alpha=1.0 - beta2), v))
         # bias corrections formed in float64 (as Python's beta ** t was) and used in FP32
-        correction1 = per((1.0 - beta1 ** t).to(torch.float32), m)
-        correction2 = per((1.0 - beta2 ** t).to(torch.float32), v)
+        correction1 = (1.0 - beta1 ** t).to(torch.float32)
+        correction2 = (1.0 - beta2 ** t).to(torch.float32)
         denom = (v / correction2).sqrt_().add_(group["eps"])
-        if row_mean_square:
-            denom = denom[..., None]
-        return torch.div(m, correction1, out=out).div_(denom)
+        return torch.div(m, correction1).div_(denom)
 
     @staticmethod
     def _coefs(group: dict, ok: torch.Tensor):
@@ -166,29 +159,80 @@ class RowAdam(SketchOptimizer):
         sketches = [o.sketch_matrices() for o in owners]
         h2, finite = ops.sketch_stats(sketches, [o.projection for o in owners])
         self._count_skips(entries, finite)
-        ok_rows = []
-        for e, s in zip(entries, sketches, strict=True):
-            sketch = -s if group["maximize"] else s
-            if e.param.dim() == 2:  # t counts applied updates: step - skipped
-                ok = finite[len(ok_rows), 0]
-                t = (e.state["step"] - e.state["skipped"]).to(torch.float64)
-                self._moments(e.state, group, sketch[0], True, ok, t, out=s[0])
-                ok_rows.append(ok.reshape(1))
-            else:  # experts: an expert that received no token (zero sketch) is not updated
-                ok = finite[len(ok_rows)] & (h2[len(ok_rows)] > 0)
-                applied = e.state.setdefault(
-                    "expert_updates", torch.zeros(ok.shape, dtype=torch.int64, device=ok.device))
-                applied += ok
-                self._moments(e.state, group, sketch, True, ok, applied.to(torch.float64), out=s)
-                ok_rows.append(ok)
-        active = torch.stack(ok_rows)
+        active = self._active(entries, finite, h2)
+        steps = self._applied_updates(entries, active)
+        exp_avgs, exp_avg_sqs = zip(*(self._row_moments(e.state, s, e.param.dim() == 2)
+                                      for e, s in zip(entries, sketches, strict=True)))
+        beta1, beta2 = group["betas"]
+        ops.row_adam_(sketches, list(exp_avgs), list(exp_avg_sqs), active, steps, beta1, beta2,
+                      group["eps"], group["maximize"])
         coefs, decays = self._coefs(group, active)
         return self._stack_update(entries, group, sketches, coefs, decays, active)
+
+    @staticmethod
+    def _active(entries, finite: torch.Tensor, h2: torch.Tensor) -> torch.Tensor:
+        """``[M, E]`` bool, the matrices whose moments move: a finite sketch, and for experts
+        (E > 1, or a 3-D weight) one that is not zero (an expert that received no token)."""
+        experts = [e.param.dim() != 2 for e in entries]
+        if not any(experts):
+            return finite
+        received = h2 > 0
+        if not all(experts):
+            received |= ~torch.tensor(experts, device=h2.device).view(-1, 1)
+        return finite & received
+
+    @staticmethod
+    def _applied_updates(entries, active: torch.Tensor) -> torch.Tensor:
+        """``[M, E]`` int64: t, the updates applied so far counting this one. A 2-D weight's
+        is ``step - skipped``; an expert stack counts its own per expert in
+        ``state['expert_updates']`` (incremented here where active). A few grouped ops
+        whatever M."""
+        flat = [i for i, e in enumerate(entries) if e.param.dim() == 2]
+        rows: list = [None] * len(entries)
+        if flat:
+            skipped = torch.stack([entries[i].state["skipped"] for i in flat])
+            steps = {entries[i].state["step"] for i in flat}
+            if len(steps) > 1:  # weights that missed steps: the counts travel as a table
+                steps = torch.tensor([entries[i].state["step"] for i in flat], dtype=torch.int64)
+                if skipped.device.type != "cpu":
+                    steps = steps.pin_memory()
+                steps = steps.to(skipped.device, non_blocking=True)
+            else:
+                steps = steps.pop()
+            t = steps - skipped
+            for j, i in enumerate(flat):
+                rows[i] = t[j].reshape(1)
+        stacked = [i for i, e in enumerate(entries) if e.param.dim() != 2]
+        if stacked:
+            for i in stacked:
+                if "expert_updates" not in entries[i].state:
+                    entries[i].state["expert_updates"] = torch.zeros(
+                        active.shape[1], dtype=torch.int64, device=active.device)
+            counts = [entries[i].state["expert_updates"] for i in stacked]
+            applied = active.to(torch.int64)
+            torch._foreach_add_(counts, [applied[i] for i in stacked])
+            for i, c in zip(stacked, counts, strict=True):
+                rows[i] = c
+        return torch.stack(rows)
+
+    @staticmethod
+    def _row_moments(state: dict, sketch: torch.Tensor, flat: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(m [E, d, r], v [E, d])``: views of ``state['exp_avg']`` (``d x r`` for a 2-D
+        weight, ``flat``; ``E x d x r`` for a stack) and ``state['exp_avg_sq']`` (``d``,
+        ``E x d``), zeros at first."""
+        if "exp_avg" not in state:
+            shape = sketch.shape[1:] if flat else sketch.shape
+            state["exp_avg"] = torch.zeros(shape, dtype=torch.float32, device=sketch.device)
+            state["exp_avg_sq"] = torch.zeros(shape[:-1], dtype=torch.float32,
+                                              device=sketch.device)
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        return (m, v) if m.dim() == 3 else (m.unsqueeze(0), v.unsqueeze(0))
 
     def _propose_dense(self, p, group, state, seed, ok) -> DenseUpdate:
         grad = -p.grad if group["maximize"] else p.grad
         t = (state["step"] - state["skipped"]).to(torch.float64)
-        direction = self._moments(state, group, grad, False, ok, t)
+        direction = self._moments(state, group, grad, ok, t)
         coef, decay = self._coefs(group, ok)
         return DenseUpdate(p, direction, coef, 0.0 if decay is None else decay, seed,
                            group["stochastic_rounding"], ok)
