@@ -44,7 +44,6 @@ mixture-of-experts families are estimated without the batch's activations.
 
 from __future__ import annotations
 
-import collections
 import functools
 import json
 import os
@@ -518,16 +517,14 @@ def _norm_temp(d: int, k: int, r: int) -> int:
 
 def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
                          implementation: str = "torch", weight_itemsize: int = 2,
-                         experts: int = 1, same_shape: int = 1) -> int:
+                         experts: int = 1) -> int:
     """Largest transient of one RGCOptimizer update of a d x k weight at rank r, in bytes.
 
     The largest of: ``||H||`` from the Gram matrix and the finiteness of C (an FP32 copy of P,
     the Gram and C P^T P, multiplied by C in place: 4kr + 4dr + 4r^2); ``||W||`` over row
     chunks (8 bytes per chunk element); the update (4kr plus
     :data:`UPDATE_BYTES_PER_CHUNK_ELEMENT` per chunk element); regenerating P after the step
-    (about 8kr for BF16 weights, 16kr for FP32, 20kr when k < 4r; the reference path adds the
-    previous G, 4kr, when it regenerates ``same_shape`` > 1 projections of this k x r in one
-    call, as it does for the layers of a model).
+    (about 8kr for BF16 weights, 16kr for FP32, 20kr when k < 4r).
 
     A stack of ``experts`` matrices takes the same step matrix by matrix: its largest
     transient is one matrix's (``experts`` is accepted for the signature's symmetry).
@@ -535,13 +532,12 @@ def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
     return UPDATE_SCALAR_BYTES + max(
         _norm_temp(d, k, r), 8 * min(chunk_rows, d) * k,
         _update_temp(d, k, r, chunk_rows, implementation),
-        _refresh_temp(k, r, weight_itemsize, implementation, same_shape))
+        _refresh_temp(k, r, weight_itemsize, implementation))
 
 
 def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
                              implementation: str = "torch", weight_itemsize: int = 2,
-                             experts: int = 1, same_shape: int = 1,
-                             old_projections: int | None = None) -> int:
+                             experts: int = 1, old_projections: int | None = None) -> int:
     """Largest transient of one RowAdam update of a d x k weight at rank r, in bytes.
 
     The finiteness check and ``||C P^T||`` (as RGC's, which tell a skipped or, for experts, an
@@ -549,8 +545,8 @@ def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
     the direction U is written into the sketch, and the update runs as RGC's. After the
     updates, RowAdam copies the old P of every weight it refreshes (``old_projections`` bytes
     in all; default this weight's own, k r ``weight_itemsize``), regenerates the projections
-    (as RGC's, one at a time, ``same_shape`` as there) and carries m into each new basis (float64 copies of both P and
-    r x r products, 16kr + 16r^2, then the new m beside the old float64 P, 8kr + 12r^2 + 4dr).
+    (as RGC's) and carries m into each new basis (float64 copies of both P and r x r products,
+    16kr + 16r^2, then the new m beside the old float64 P, 8kr + 12r^2 + 4dr).
     A stack of ``experts`` matrices: dr terms over the whole stack, as
     :func:`rgc_step_temporaries`.
     """
@@ -560,8 +556,7 @@ def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
     carry = max(16 * k * r + 16 * r * r, 8 * k * r + 12 * r * r + 4 * dr)
     return UPDATE_SCALAR_BYTES + max(
         8 * dr, _norm_temp(d, k, r), _update_temp(d, k, r, chunk_rows, implementation),
-        old_projections + max(_refresh_temp(k, r, weight_itemsize, implementation, same_shape),
-                              carry))
+        old_projections + max(_refresh_temp(k, r, weight_itemsize, implementation), carry))
 
 
 # -- compute mode (rgc.compute): FP32 matmuls on low-precision weights ----------------------
@@ -640,11 +635,8 @@ def _plan_sketch(spec, chosen, rank, *, method, chunk_rows, implementation):
         parts["optimizer_state"] = sum(s.experts * (s.d * rank * FP32 + s.d * FP32)
                                        for s in chosen)
         parts["optimizer_state"] += sum(2 * s.experts * s.d * FP32 for s in chosen if s.bias)
-    # projections are regenerated in one call per k (rgc.projection.advance_projections)
-    per_k = collections.Counter(s.k for s in chosen)
     step_temp = max(temps(s.d, s.k, rank, chunk_rows=chunk_rows, implementation=implementation,
-                          weight_itemsize=wsize, experts=s.experts, same_shape=per_k[s.k])
-                    for s in chosen)
+                          weight_itemsize=wsize, experts=s.experts) for s in chosen)
     return _Plan(parts, ("sketch", "gradients"), step_temp, activations="sketch")
 
 
