@@ -663,15 +663,23 @@ def _plan_lora(spec, chosen, rank, **_):
                  backward_temp=grad)
 
 
-def _plan_adamw(spec, chosen, rank, **_):
+def _plan_adamw(spec, chosen, rank, *, implementation, **_):
+    """The FP32-master recipe: see :func:`estimate_memory`.
+
+    Expert backward: an expert stack's BF16 gradient arrives while the earlier layers'
+    activations are live; on the CPU (``implementation='torch'``) the hook's
+    ``add_`` into the FP32 buffer promotes it to an FP32 copy first (CUDA casts inside the
+    kernel); a tied embedding's lm_head contribution is held from the start of backward.
+    """
     n = spec.num_params * FP32
     parts = {"master": n, "gradients": n, "optimizer_state": 2 * n}
     # The BF16 gradient of the largest parameter (the embedding) before the hook adds it into
     # its FP32 buffer; tied: the lm_head's and the embedding's contributions and their sum.
     end = _tied_embedding_transient(spec, 3) or spec.largest_param * spec.weight_itemsize
-    # an expert stack's BF16 gradient arrives while earlier layers' activations are live
     stack = max((s.experts * s.d * s.k for s in spec.linears if s.experts > 1), default=0)
-    return _Plan(parts, (), end_temp=end, backward_temp=stack * spec.weight_itemsize)
+    per_element = spec.weight_itemsize + (FP32 if implementation == "torch" else 0)
+    backward = stack * per_element + _tied_embedding_transient(spec, 1) if stack else 0
+    return _Plan(parts, (), end_temp=end, backward_temp=backward)
 
 
 def _quantized_state(numel: int, wsize: int, *, bits: int, block: int, qmap: int,
