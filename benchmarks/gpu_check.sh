@@ -8,7 +8,12 @@
 #   3. a whole RGCOptimizer.step() on Qwen3-1.7B's projections (rgc.wrap + rgc.RGCOptimizer)
 #      against torch.optim.AdamW(fused=True), with host synchronisations counted and the CUDA
 #      kernels, memcpys and memsets of one step counted by the torch profiler, at full and at
-#      half depth (gpu_step.*): the grouping by shape measured, not only modelled.
+#      half depth (gpu_step.*): the grouping by shape measured, not only modelled;
+#   4. the expert path on one Qwen3-30B-A3B layer (128 experts, BF16, 4096 tokens x 8
+#      experts): sketched forward/backward against transformers' dense grouped-GEMM backward
+#      and the frozen (input-gradient-only) floor, with peak memory and host syncs, and the
+#      update of the two stacks (RGCOptimizer, RowAdam) against fused AdamW and the copy
+#      bandwidth (gpu_experts.*, gpu_experts_step.*).
 # Every step runs even when an earlier one fails; the exit status is the first failure's.
 #   benchmarks/gpu_check.sh [--out DIR] [--reps N] [--no-sweep]
 set -uo pipefail
@@ -49,5 +54,6 @@ run bash -c "set -o pipefail; '$PY' -m pytest tests/test_ops_gpu.py tests/test_o
 run "$PY" benchmarks/gpu_kernels.py --out "$OUT" ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
 run "$PY" benchmarks/gpu_kernels.py --step --config benchmarks/configs/qwen3-1.7b.json \
   --out "$OUT" ${STEP_ARGS[@]+"${STEP_ARGS[@]}"}
+run "$PY" benchmarks/gpu_experts.py --out "$OUT" ${STEP_ARGS[@]+"${STEP_ARGS[@]}"}
 echo "== results in $OUT (status $status)"
 exit $status
