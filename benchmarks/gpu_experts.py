@@ -73,11 +73,12 @@ def experts_layer(numbers: dict, device, *, sketch_rank: int | None = None,
     config = Qwen3MoeConfig(**numbers, num_hidden_layers=1, experts_implementation="grouped_mm")
     torch.manual_seed(0)
     layer = torch.nn.Module()
-    layer.experts = Qwen3MoeExperts(config)
+    with torch.device(device):  # built and initialised on the device (1.2 GB at 30B)
+        layer.experts = Qwen3MoeExperts(config)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.02)
-    layer = layer.to(device, torch.bfloat16).requires_grad_(trainable)
+    layer = layer.to(torch.bfloat16).requires_grad_(trainable)
     if sketch_rank is not None:
         rgc.wrap(layer, sketch_rank, seed=1)
     return layer
