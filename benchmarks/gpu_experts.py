@@ -96,20 +96,15 @@ def routed_batch(numbers: dict, tokens: int, device) -> tuple[torch.Tensor, ...]
     return x, index, weights, grad
 
 
-def _synchronize(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def peak_bytes(fn, device) -> int | None:
     """Most bytes allocated during ``fn()`` above what was allocated before it (CUDA only)."""
     if device.type != "cuda":
         return None
-    _synchronize(device)
+    torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     fn()
-    _synchronize(device)
+    torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - before
 
 

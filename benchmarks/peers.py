@@ -114,8 +114,7 @@ MOE_ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MOE_STACKS = ["gate_up_proj", "down_proj"]
 #: (method, rank, estimator method, note) of the MoE run.
 MOE_RUNS = [
-    ("adamw", None, "adamw", "FP32 master copy and gradient buffers, fused AdamW"),
-    ("adamw-bf16", None, "adamw-bf16", "torch AdamW(fused) on BF16 params, BF16 moments"),
+    *RUNS[:2],  # adamw, adamw-bf16
     ("lora", 64, "lora", "peft, attention + target_parameters on the expert stacks"),
     ("rgc", 64, "rgc", "rgc.wrap default targets (attention + expert stacks), reference step"),
     ("rowadam", 64, "rowadam", "rgc.wrap default targets, reference step"),
@@ -153,7 +152,7 @@ def build_moe(method: str, rank: int | None, numbers: dict, seed: int = 0):
     return model, make(params, lr=rgc.calibrate_lr(model, adamw_lr=LR))
 
 
-def estimated_moe_peak(method: str | None, rank, numbers) -> int | None:
+def estimated_moe_peak(method: str, rank, numbers) -> int:
     targets = MOE_ATTENTION + MOE_STACKS if method == "lora" else None
     return estimate_memory(moe_config(numbers).to_dict(), method=method, rank=rank,
                            targets=targets, batch=numbers["batch"],
@@ -449,9 +448,9 @@ backward, optimizer step, ``zero_grad``); the ratios are to a reference dense Ad
 same MoE taken right after each of them. One torch thread on a 2-core machine shared with
 other jobs (the load averages below): the times are indicative only (three runs of this
 script on the same code read rgc's step at 1.46x, 2.31x and 2.47x AdamW's, this table the
-last), the memory figures are exact.
-rgc and RowAdam run the reference (CPU) step, expert by expert; on a GPU the fused kernel
-updates all experts of a shape in one launch (``benchmarks/gpu_experts.py``). Every method
+last), the memory figures are exact. rgc and RowAdam run the reference (CPU) step, expert by
+expert; on a GPU the fused kernel updates all experts of a shape in one launch
+(``benchmarks/gpu_experts.py`` measures it). Every method
 trains the same batch at lr 1e-4 (rgc and RowAdam: the calibrated tau). LoRA, rgc and RowAdam
 train the attention projections and every expert stack, the routers frozen; the AdamW rows
 train every parameter. LoRA on an expert stack is peft's ``target_parameters``
@@ -467,15 +466,12 @@ def render_moe(rows: list[dict], numbers: dict, env: dict) -> str:
     for r in rows:
         est_method = next(e for m, rk, e, _ in MOE_RUNS if m == r["method"] and rk == r["rank"])
         r["estimated_peak_bytes"] = estimated_moe_peak(est_method, r["rank"], numbers)
-    table = []
-    for r, t in zip(rows, table_rows(rows), strict=True):
+    table, best = [], winners(rows)
+    for i, (r, t) in enumerate(zip(rows, table_rows(rows), strict=True)):
         step = "-" if r.get("step_s") is None else f"{r['step_s']:.3g}"
-        table.append({k: v for k, v in t.items() if k not in ("note",)}
-                     | {"step s": step, "note": t["note"]})
-    for i, axes in winners(rows).items():
-        table[i]["lowest of all"] = ", ".join(axes)
-    for t in table:
-        t.setdefault("lowest of all", "-")
+        table.append({k: v for k, v in t.items() if k != "note"}
+                     | {"step s": step, "note": t["note"],
+                        "lowest of all": ", ".join(best.get(i, [])) or "-"})
     shape = ", ".join(f"{k}={v}" for k, v in numbers.items())
     env_lines = "\n".join(f"- {k}: {v}" for k, v in env.items())
     return ("# rgc among full-weight and LoRA training of a mixture of experts (measured)\n\n"
@@ -649,18 +645,20 @@ def run_moe(args) -> None:
         return
     torch.set_num_threads(args.threads)
     numbers = MOE_QUICK if args.quick else MOE_FULL
-    def load() -> str:
-        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
-
-    start_load = load()
+    start_load = _load_average()
     rows = run(numbers, args.timed_pairs, args.only, moe=True)
     env = environment() | {"load average (1, 5, 15 min) at start": start_load,
-                           "load average at end": load()}
+                           "load average at end": _load_average()}
     text = render_moe(rows, numbers, env)
     print(text)
     if not args.quick:
         md.write_text(text)
         js.write_text(json.dumps({"rows": rows, "env": env}, indent=2))
+
+
+def _load_average() -> str:
+    """The machine's 1, 5 and 15 minute load averages (other work beside the benchmark)."""
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def _version(pkg: str) -> str:

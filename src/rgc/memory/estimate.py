@@ -21,7 +21,8 @@ three moments:
 * start of backward: every saved activation plus the loss's transient gradients;
 * expert backward (LoRA and dense AdamW on expert stacks): the activations of the decoder
   layers plus the dense gradient of one expert stack, which their backward forms (a bound:
-  the last layer's own activations are partly freed by then);
+  the last layer's own activations are partly freed by then; AdamW's transients there are
+  in :func:`_plan_adamw`);
 * end of backward: all of this step's gradients (RGC's sketches, LoRA's adapter gradients;
   for AdamW, which keeps FP32 gradient buffers, the embedding's transient BF16 gradient);
 * optimizer step: the gradients plus the step's largest temporaries.
@@ -667,9 +668,10 @@ def _plan_adamw(spec, chosen, rank, *, implementation, **_):
     """The FP32-master recipe: see :func:`estimate_memory`.
 
     Expert backward: an expert stack's BF16 gradient arrives while the earlier layers'
-    activations are live; on the CPU (``implementation='torch'``) the hook's
-    ``add_`` into the FP32 buffer promotes it to an FP32 copy first (CUDA casts inside the
-    kernel); a tied embedding's lm_head contribution is held from the start of backward.
+    activations are live; on the CPU (``implementation='torch'``) the hook's ``add_`` into
+    the FP32 buffer first promotes it to an FP32 copy (measured; CUDA's kernel casts as it
+    reads, assumed); a tied embedding's lm_head contribution is held from the start of
+    backward.
     """
     n = spec.num_params * FP32
     parts = {"master": n, "gradients": n, "optimizer_state": 2 * n}
@@ -853,7 +855,8 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
       FP32 moments, fused AdamW, then the master copy is written back: 16 bytes per parameter
       on top of the weights. At backward end the transient BF16 gradient of the largest
       parameter is added (three of them for a tied embedding: the lm_head's and the
-      embedding's contributions and their sum).
+      embedding's contributions and their sum); on expert stacks, the expert-backward
+      transients of :func:`_plan_adamw`.
     * adamw-bf16, adamw-bf16-sr, adamw8bit, adamw4bit, bnb-adamw8bit: every parameter
       trained in its dtype; BF16 gradients from backward to ``zero_grad`` (a tied embedding
       adds its two contributions at backward end); two moments per parameter: in the
