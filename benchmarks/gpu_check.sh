@@ -17,6 +17,11 @@
 #      processes on two GPUs when there are two or more; with one GPU a group of one (NCCL
 #      refuses two ranks on one device): FSDP2, the kernels and the probe then run on the
 #      device, but no collective carries data, and NCCL's reduction order is not exercised.
+#   5. the expert path on one Qwen3-30B-A3B layer (128 experts, BF16, 4096 tokens x 8
+#      experts): sketched forward/backward against transformers' dense grouped-GEMM backward
+#      and the frozen (input-gradient-only) floor, with peak memory and host syncs, and the
+#      update of the two stacks (RGCOptimizer, RowAdam) against fused AdamW and the copy
+#      bandwidth (gpu_experts.*, gpu_experts_step.*).
 # Every step runs even when an earlier one fails; the exit status is the first failure's.
 #   benchmarks/gpu_check.sh [--out DIR] [--reps N] [--no-sweep]
 set -uo pipefail
@@ -57,6 +62,7 @@ run bash -c "set -o pipefail; '$PY' -m pytest tests/test_ops_gpu.py tests/test_o
 run "$PY" benchmarks/gpu_kernels.py --out "$OUT" ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
 run "$PY" benchmarks/gpu_kernels.py --step --config benchmarks/configs/qwen3-1.7b.json \
   --out "$OUT" ${STEP_ARGS[@]+"${STEP_ARGS[@]}"}
+run "$PY" benchmarks/gpu_experts.py --out "$OUT" ${STEP_ARGS[@]+"${STEP_ARGS[@]}"}
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 NPROC=$(( NGPU >= 2 ? 2 : 1 ))
 : > "$OUT/gpu_check_distributed.txt"

@@ -31,8 +31,16 @@ Every Adam-like method uses lr 1e-4 (LoRA and the projected methods included); r
 ``rgc.calibrate_lr(model, adamw_lr=1e-4)``. A peer package that is missing, or a method that
 fails, gives a row whose note says why.
 
+A mixture-of-experts run (``--moe``) puts the methods that cover expert stacks side by side
+on a small random-init BF16 Qwen3-MoE (:data:`MOE_FULL`), measured the same way: ``adamw``,
+``adamw-bf16``, ``lora`` (peft r=64 on the attention projections and, through peft's
+``target_parameters``, on every expert stack), ``rgc`` and ``rowadam`` r=64 (``rgc.wrap``'s
+default targets: the attention projections and every expert stack); the routers are frozen
+wherever the method has targets.
+
     PYTHONPATH=src python benchmarks/peers.py            # full run, writes results/peers.*
     PYTHONPATH=src python benchmarks/peers.py --quick    # tiny model, no result files
+    PYTHONPATH=src python benchmarks/peers.py --moe      # the MoE run, results/peers_moe.*
 """
 
 from __future__ import annotations
@@ -53,10 +61,19 @@ from rgc.memory import estimate_memory
 
 try:
     from benchmarks.common import RESULTS, environment, markdown_table
-    from benchmarks.memory import FULL, QUICK, TARGETS, build, fixed_batch, new_model, qwen3_config
+    from benchmarks.memory import (
+        FULL,
+        QUICK,
+        TARGETS,
+        DenseAdamW,
+        build,
+        fixed_batch,
+        new_model,
+        qwen3_config,
+    )
 except ImportError:  # run as a script from benchmarks/
     from common import RESULTS, environment, markdown_table
-    from memory import FULL, QUICK, TARGETS, build, fixed_batch, new_model, qwen3_config
+    from memory import FULL, QUICK, TARGETS, DenseAdamW, build, fixed_batch, new_model, qwen3_config
 
 MIB = 2**20
 LR = 1e-4
@@ -82,6 +99,64 @@ RUNS = [
 PEER_PACKAGES = {"galore": "galore_torch", "apollo": "apollo_torch", "apollo-mini": "apollo_torch",
                  "adamw8bit": "torchao", "adamw4bit": "torchao", "adamw-bf16-sr": "torchao",
                  "bnb-adamw8bit": "bitsandbytes", "lora": "peft"}
+
+#: A small Qwen3-MoE (88.5 M parameters, 85% of them in expert stacks): 6 layers of 32 experts
+#: of width 256, 4 routed per token, renormalised; hidden 512, a 16k vocabulary, tied.
+MOE_FULL = dict(vocab_size=16000, hidden_size=512, intermediate_size=1024,
+                moe_intermediate_size=256, num_experts=32, num_experts_per_tok=4,
+                norm_topk_prob=True, num_hidden_layers=6, num_attention_heads=8,
+                num_key_value_heads=4, head_dim=64, tie_word_embeddings=True, batch=2,
+                seq_len=64)
+MOE_QUICK = dict(MOE_FULL, vocab_size=1000, hidden_size=128, moe_intermediate_size=64,
+                 num_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, seq_len=16)
+MOE_ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MOE_STACKS = ["gate_up_proj", "down_proj"]
+#: (method, rank, estimator method, note) of the MoE run.
+MOE_RUNS = [
+    *RUNS[:2],  # adamw, adamw-bf16
+    ("lora", 64, "lora", "peft, attention + target_parameters on the expert stacks"),
+    ("rgc", 64, "rgc", "rgc.wrap default targets (attention + expert stacks), reference step"),
+    ("rowadam", 64, "rowadam", "rgc.wrap default targets, reference step"),
+]
+
+
+def moe_config(numbers: dict):
+    from transformers import Qwen3MoeConfig
+
+    cfg = {k: v for k, v in numbers.items() if k not in ("batch", "seq_len")}
+    return Qwen3MoeConfig(**cfg, attn_implementation="sdpa", use_cache=False)
+
+
+def build_moe(method: str, rank: int | None, numbers: dict, seed: int = 0):
+    """The small Qwen3-MoE and the optimizer of one MoE row (call inside the profiler)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM._from_config(moe_config(numbers), dtype=torch.bfloat16).train()
+    if method == "adamw":
+        return model, DenseAdamW(model, lr=LR)
+    if method == "adamw-bf16":
+        return model, torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    if method == "lora":
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=MOE_ATTENTION,
+            target_parameters=[f"mlp.experts.{s}" for s in MOE_STACKS]))
+        params = [p for p in model.parameters() if p.requires_grad]
+        return model, torch.optim.AdamW(params, lr=LR, fused=True)
+    rgc.wrap(model, rank, seed=seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    make = rgc.RGCOptimizer if method == "rgc" else rgc.RowAdam
+    return model, make(params, lr=rgc.calibrate_lr(model, adamw_lr=LR))
+
+
+def estimated_moe_peak(method: str, rank, numbers) -> int:
+    targets = MOE_ATTENTION + MOE_STACKS if method == "lora" else None
+    return estimate_memory(moe_config(numbers).to_dict(), method=method, rank=rank,
+                           targets=targets, batch=numbers["batch"],
+                           seq_len=numbers["seq_len"]).total
 
 
 def _targets_only(model) -> list:
@@ -171,15 +246,16 @@ def allocator_bytes(prof) -> tuple[int, int]:
     return (live if held is None else held), peak
 
 
-def measure_memory(method: str, rank: int | None, numbers: dict) -> dict:
-    """Build one method, take a warm-up and a measured step; allocator bytes held and peak.
+def measure_memory(method: str, rank: int | None, numbers: dict, builder=None) -> dict:
+    """Build one method (``builder``, default :func:`build_method`), take a warm-up and a
+    measured step; allocator bytes held and peak.
 
     Returns ``held_bytes``, ``peak_bytes``, the ``model``, ``opt`` and ``ids`` (for more
     steps) and ``first_loss`` (the warm-up's, before any update).
     """
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         ids = fixed_batch(numbers)
-        model, opt = build_method(method, rank, numbers)
+        model, opt = (builder or build_method)(method, rank, numbers)
         first_loss = timed_step(model, opt, ids)[0]  # warm-up: lazy state, compilation
         with record_function(MARK):
             timed_step(model, opt, ids)
@@ -188,24 +264,25 @@ def measure_memory(method: str, rank: int | None, numbers: dict) -> dict:
             "first_loss": first_loss}
 
 
-def run_method(method, rank, numbers, reference, timed_pairs: int) -> dict:
+def run_method(method, rank, numbers, reference, timed_pairs: int, builder=None) -> dict:
     """Measure one row; ``reference`` is the (model, optimizer) of the timing baseline."""
-    got = measure_memory(method, rank, numbers)
+    got = measure_memory(method, rank, numbers, builder)
     model, opt, ids, first_loss = got["model"], got["opt"], got["ids"], got["first_loss"]
     held, peak = got["held_bytes"], got["peak_bytes"]
     del got
-    ratios_step, ratios_opt = [], []
+    seconds, ratios_step, ratios_opt = [], [], []
     for i in range(2, STEPS):
         _, step_s, opt_s = timed_step(model, opt, ids)
         if i >= STEPS - timed_pairs:
             _, ref_step, ref_opt = timed_step(*reference, ids)
+            seconds.append(step_s)
             ratios_step.append(step_s / ref_step)
             ratios_opt.append(opt_s / ref_opt)
     with torch.no_grad():
         last_loss = model(input_ids=ids, labels=ids).loss.item()
     del model, opt
     gc.collect()
-    return {"peak_bytes": peak, "held_bytes": held,
+    return {"peak_bytes": peak, "held_bytes": held, "step_s": statistics.median(seconds),
             "opt_step_vs_adamw": statistics.median(ratios_opt),
             "step_vs_adamw": statistics.median(ratios_step),
             "loss_ratio_20": last_loss / first_loss}
@@ -224,26 +301,28 @@ def estimated_peak(method: str | None, rank, numbers) -> int | None:
 
 
 def run(numbers: dict, timed_pairs: int, only: list[str] | None = None,
-        partial=None) -> list[dict]:
+        partial=None, moe: bool = False) -> list[dict]:
+    """The rows of :data:`RUNS` (or, ``moe``, of :data:`MOE_RUNS` on the small MoE)."""
     import importlib.util
 
-    reference = build("adamw", None, numbers)
-    for group in reference[1].opt.param_groups:
-        group["lr"] = LR
+    runs, builder, estimate = ((MOE_RUNS, build_moe, estimated_moe_peak) if moe
+                               else (RUNS, build_method, estimated_peak))
+    reference = builder("adamw", None, numbers)
     rows = []
-    for method, rank, est_method, note in RUNS:
+    for method, rank, est_method, note in runs:
         if only and method not in only:
             continue
         row = {"method": method, "rank": rank, "peak_bytes": None, "held_bytes": None,
-               "opt_step_vs_adamw": None, "step_vs_adamw": None, "loss_ratio_20": None,
-               "note": note, "estimated_peak_bytes": estimated_peak(est_method, rank, numbers)}
+               "step_s": None, "opt_step_vs_adamw": None, "step_vs_adamw": None,
+               "loss_ratio_20": None, "note": note,
+               "estimated_peak_bytes": estimate(est_method, rank, numbers)}
         package = PEER_PACKAGES.get(method)
         if package and importlib.util.find_spec(package) is None:
             row["note"] = f"not run: {package} is not installed (pip install 'rgc-torch[peers]')"
         else:
             start = time.perf_counter()
             try:
-                row |= run_method(method, rank, numbers, reference, timed_pairs)
+                row |= run_method(method, rank, numbers, reference, timed_pairs, builder)
             except Exception as e:  # a failing peer is a row that says why
                 traceback.print_exc()
                 row["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
@@ -362,6 +441,44 @@ def render(rows: list[dict], numbers: dict, env: dict) -> str:
             f"![memory](peers.png)\n\n## Environment\n\n{env_lines}\n")
 
 
+MOE_NOTES = """Measured as the dense table (``peers.md``): profiler allocator events of one steady
+step on the CPU, the estimate (``rgc.estimate_memory``, ``implementation='torch'``) beside each
+measured peak. "step s" is the median wall time of the method's last timed steps (forward,
+backward, optimizer step, ``zero_grad``); the ratios are to a reference dense AdamW step on the
+same MoE taken right after each of them. One torch thread on a 2-core machine shared with
+other jobs (the load averages below): the times are indicative only (three runs of this
+script on the same code read rgc's step at 1.46x, 2.31x and 2.47x AdamW's, this table the
+last), the memory figures are exact. rgc and RowAdam run the reference (CPU) step, expert by
+expert; on a GPU the fused kernel updates all experts of a shape in one launch
+(``benchmarks/gpu_experts.py`` measures it). Every method
+trains the same batch at lr 1e-4 (rgc and RowAdam: the calibrated tau). LoRA, rgc and RowAdam
+train the attention projections and every expert stack, the routers frozen; the AdamW rows
+train every parameter. LoRA on an expert stack is peft's ``target_parameters``
+parametrization, which forms the merged ``W + B A`` of every stack in each forward and keeps it
+for backward: one more copy of the expert weights beside the adapters' state. rgc's peak comes
+in the backward of the first decoder layer (its activations and backward transients beside the
+sketches of all layers), which the estimate, taking the sketches plus the step's temporaries,
+misses by 1.4 MiB (-0.6%)."""
+
+
+def render_moe(rows: list[dict], numbers: dict, env: dict) -> str:
+    """peers_moe.md: the MoE table (with the current estimator's estimates) and the notes."""
+    for r in rows:
+        est_method = next(e for m, rk, e, _ in MOE_RUNS if m == r["method"] and rk == r["rank"])
+        r["estimated_peak_bytes"] = estimated_moe_peak(est_method, r["rank"], numbers)
+    table, best = [], winners(rows)
+    for i, (r, t) in enumerate(zip(rows, table_rows(rows), strict=True)):
+        step = "-" if r.get("step_s") is None else f"{r['step_s']:.3g}"
+        table.append({k: v for k, v in t.items() if k != "note"}
+                     | {"step s": step, "note": t["note"],
+                        "lowest of all": ", ".join(best.get(i, [])) or "-"})
+    shape = ", ".join(f"{k}={v}" for k, v in numbers.items())
+    env_lines = "\n".join(f"- {k}: {v}" for k, v in env.items())
+    return ("# rgc among full-weight and LoRA training of a mixture of experts (measured)\n\n"
+            f"Qwen3-MoE, BF16, random init: {shape}.\n\n{markdown_table(table)}\n\n"
+            f"{MOE_NOTES}\n\n## Environment\n\n{env_lines}\n")
+
+
 #: The predicted table: configs, tokens per GPU, the methods (estimator name, rank).
 SCALE_CONFIGS = ("qwen3-1.7b", "qwen3-8b", "llama-3-70b")
 SCALE_BATCH, SCALE_SEQ, SCALE_GPUS, BUDGET = 1, 2048, 8, 80 * 10**9
@@ -371,14 +488,13 @@ SCALE_METHODS = [("adamw", None), ("adamw-bf16", None), ("adamw8bit", None),
                  ("rowadam", 64)]
 
 
-#: Mixture-of-experts configs, predicted without token activations (not modelled for them).
+#: Mixture-of-experts configs of the predicted table.
 SCALE_MOE_CONFIGS = ("qwen3-30b-a3b", "qwen3-235b-a22b")
 
 
-def predict(names=SCALE_CONFIGS, batch=SCALE_BATCH) -> tuple[list[dict], list[dict]]:
+def predict(names=SCALE_CONFIGS) -> tuple[list[dict], list[dict]]:
     """Per config and method: state and peak per GPU on one GPU and FSDP2 over 8 (GiB), and
-    per method the largest of the configs whose peak fits in 80 GB. ``batch=None``: no token
-    activations."""
+    per method the largest of the configs whose peak fits in 80 GB."""
     configs = RESULTS.parent / "configs"
     rows, fits = [], {}
     for name in names:
@@ -389,9 +505,8 @@ def predict(names=SCALE_CONFIGS, batch=SCALE_BATCH) -> tuple[list[dict], list[di
             for gpus in (1, SCALE_GPUS):
                 col = "1 GPU" if gpus == 1 else f"FSDP2 x{gpus}"
                 try:
-                    e = estimate_memory(cfg, method=method, rank=rank, batch=batch,
-                                        seq_len=batch and SCALE_SEQ, implementation="triton",
-                                        fsdp=gpus)
+                    e = estimate_memory(cfg, method=method, rank=rank, batch=SCALE_BATCH,
+                                        seq_len=SCALE_SEQ, implementation="triton", fsdp=gpus)
                 except ValueError:  # no FSDP2 model, or no expert support, for this method
                     row[f"state GiB, {col}"] = row[f"peak GiB, {col}"] = None
                     fits[(method, rank, col)] = "n/a"
@@ -434,21 +549,23 @@ Dense AdamW is the FP32-master recipe; the 8-bit and 4-bit AdamW variants train 
 parameter in BF16; LoRA, GaLore, APOLLO and rgc train the seven projections only."""
 
 
-SCALE_MOE_NOTES = """Mixture-of-experts models (Qwen3-30B-A3B: 28.99 of 30.53 B parameters in
-expert stacks; Qwen3-235B-A22B: 227.1 of 235.1 B), predicted without the token activations,
-which the estimator does not model for these models yet: add the activations of the batch to
-every row. Every method trains what ``rgc.wrap``'s default targets cover: the attention
-projections and every expert stack (``gate_up_proj``, ``down_proj``; LoRA through peft's
-``target_parameters``), the routers frozen; dense AdamW and its BF16, 8-bit and 4-bit variants
-train all parameters. LoRA's peak includes peft's merged ``W + B A`` copy of every expert stack,
-formed in each forward and kept for backward (batch-independent; measured with peft 0.21 on
-BF16 experts). GaLore and APOLLO update 2-D weights only (n/a). The sketch-sized step terms of
-an expert stack are modelled over the whole stack (``rgc_step_temporaries``)."""
+SCALE_MOE_NOTES = f"""Mixture-of-experts models (Qwen3-30B-A3B: 28.99 of 30.53 B parameters in
+expert stacks; Qwen3-235B-A22B: 227.1 of 235.1 B), at the same {SCALE_BATCH} x {SCALE_SEQ} tokens
+per GPU, with the activation model of Qwen3-MoE decoders (router, routed rows, the experts'
+products; measured to the byte on tiny models, ``tests/test_memory_estimate.py``). Every method
+trains what ``rgc.wrap``'s default targets cover: the attention projections and every expert
+stack (``gate_up_proj``, ``down_proj``; LoRA through peft's ``target_parameters``), the routers
+frozen; dense AdamW and its BF16, 8-bit and 4-bit variants train all parameters. LoRA's peak
+includes peft's merged ``W + B A`` copy of every expert stack, formed in each forward and kept
+for backward (batch-independent; measured with peft 0.21 on BF16 experts). GaLore and APOLLO
+update 2-D weights only (n/a). FSDP2 x{SCALE_GPUS} for rgc is a prediction:
+``DistributedRGCOptimizer`` refuses FSDP2-sharded expert stacks today (data parallel only for
+experts), so these rows say what sharding the stacks would give."""
 
 
 def write_predictions() -> None:
     table, largest = predict()
-    moe_table, moe_largest = predict(SCALE_MOE_CONFIGS, batch=None)
+    moe_table, moe_largest = predict(SCALE_MOE_CONFIGS)
     text = ("# rgc among memory-efficient optimizers (predicted at LLM scale)\n\n"
             f"{markdown_table(table)}\n\n{markdown_table(largest)}\n\n{SCALE_NOTES}\n\n"
             "## Mixture of experts\n\n"
@@ -477,7 +594,12 @@ def main(argv=None) -> None:
                         help="rewrite peers.md and peers.png from peers.json (no measuring)")
     parser.add_argument("--predict", action="store_true",
                         help="write the predicted table, peers_scale.md/.json (no measuring)")
+    parser.add_argument("--moe", action="store_true",
+                        help="the mixture-of-experts rows (MOE_RUNS), results/peers_moe.*")
     args = parser.parse_args(argv)
+    if args.moe:
+        run_moe(args)
+        return
     if args.predict:
         write_predictions()
         return
@@ -512,6 +634,31 @@ def main(argv=None) -> None:
     (RESULTS / "peers.md").write_text(render(rows, numbers, env))
     (RESULTS / "peers.json").write_text(json.dumps({"rows": rows, "env": env}, indent=2))
     plot(rows, RESULTS / "peers.png")
+
+
+def run_moe(args) -> None:
+    """``--moe``: measure (or, with ``--render``, rewrite from peers_moe.json) the MoE table."""
+    md, js = RESULTS / "peers_moe.md", RESULTS / "peers_moe.json"
+    if args.render:
+        saved = json.loads(js.read_text())
+        md.write_text(render_moe(saved["rows"], MOE_FULL, saved["env"]))
+        return
+    torch.set_num_threads(args.threads)
+    numbers = MOE_QUICK if args.quick else MOE_FULL
+    start_load = _load_average()
+    rows = run(numbers, args.timed_pairs, args.only, moe=True)
+    env = environment() | {"load average (1, 5, 15 min) at start": start_load,
+                           "load average at end": _load_average()}
+    text = render_moe(rows, numbers, env)
+    print(text)
+    if not args.quick:
+        md.write_text(text)
+        js.write_text(json.dumps({"rows": rows, "env": env}, indent=2))
+
+
+def _load_average() -> str:
+    """The machine's 1, 5 and 15 minute load averages (other work beside the benchmark)."""
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def _version(pkg: str) -> str:

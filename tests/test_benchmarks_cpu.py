@@ -37,3 +37,21 @@ def test_step_model_counts():
         and not p.startswith("AdamW")))
     # counted on a scaled copy of the layers: a few launches per distinct shape, not per layer
     assert 0 < total["launches"] < 100
+
+
+def test_gpu_experts_smoke_mode(tmp_path):
+    import pytest
+
+    pytest.importorskip("transformers")
+    from benchmarks import gpu_experts
+
+    passes, steps = gpu_experts.main(["--smoke", "--out", str(tmp_path)])
+    assert [row["path"] for row in passes] == ["sketched", "dense", "frozen"]
+    assert all(row["forward_ms"] > 0 and row["forward_backward_ms"] > 0 for row in passes)
+    assert [row["method"] for row in steps] == ["rgc", "rowadam", "adamw"]
+    # the two stacks of one layer: gate_up E x 2I x H and down E x H x I
+    e, h, i = (gpu_experts.SMOKE[k] for k in ("num_experts", "hidden_size",
+                                               "moe_intermediate_size"))
+    assert all(row["weights"] == e * 3 * i * h and row["step_ms"] > 0 for row in steps)
+    for name in ("gpu_experts_smoke", "gpu_experts_step_smoke"):
+        assert "## Environment" in (tmp_path / f"{name}.md").read_text()

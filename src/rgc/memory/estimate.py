@@ -19,16 +19,28 @@ optimizer state, an FP32 master copy) is always live. On top of it the peak is t
 three moments:
 
 * start of backward: every saved activation plus the loss's transient gradients;
+* expert backward (LoRA and dense AdamW on expert stacks): the activations of the decoder
+  layers plus the dense gradient of one expert stack, which their backward forms (a bound:
+  the last layer's own activations are partly freed by then; AdamW's transients there are
+  in :func:`_plan_adamw`);
 * end of backward: all of this step's gradients (RGC's sketches, LoRA's adapter gradients;
   for AdamW, which keeps FP32 gradient buffers, the embedding's transient BF16 gradient);
 * optimizer step: the gradients plus the step's largest temporaries.
 
-The activation model is written for Llama-style decoders (Llama, Mistral, Qwen2, Qwen3) as
-implemented by ``transformers`` with SDPA attention (a fused kernel saving out and logsumexp,
-no n x n attention matrix), no padding mask, ``use_cache=False``, and the loss
-``ForCausalLMLoss`` (FP32 upcast of the logits, log_softmax, NLL). It is exact, to the byte,
-for the tensors autograd saves in that implementation (``tests/test_memory_estimate.py``
-checks it against a measured forward).
+The backward transients of the layers themselves (an RMSNorm's FP32 input gradient, a few
+n x h FP32 tensors; an experts block's row gradients, a few S x h ones) are assumed below the
+loss's (8 bytes per token and vocabulary entry), which holds for real vocabularies (the tests'
+models have one of 2000 entries).
+
+The activation model is written for Llama-style decoders (Llama, Mistral, Qwen2, Qwen3) and
+the mixture-of-experts families :data:`MOE_ACTIVATION_FAMILIES` (Qwen3-MoE, Mixtral: the same
+attention, a softmax top-k router and routed experts, sketched by rgc or computed by
+transformers' ``grouped_mm`` experts) as implemented by ``transformers`` with SDPA attention (a
+fused kernel saving out and logsumexp, no n x n attention matrix), no padding mask,
+``use_cache=False``, and the loss ``ForCausalLMLoss`` (FP32 upcast of the logits, log_softmax,
+NLL). It is exact, to the byte, for the tensors autograd saves in that implementation
+(``tests/test_memory_estimate.py`` checks it against a measured forward). The other
+mixture-of-experts families are estimated without the batch's activations.
 """
 
 from __future__ import annotations
@@ -52,6 +64,9 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe",
                 "gpt_oss")
 FAMILIES = (*LLAMA_FAMILY, "gpt2", *MOE_FAMILIES)
+#: Mixture-of-experts families whose token activations are modelled (Llama-style attention and
+#: a softmax top-k router): the others give the memory of everything but the batch's.
+MOE_ACTIVATION_FAMILIES = ("qwen3_moe", "mixtral")
 FP32 = 4
 
 #: Reference-path update, bytes per element of one ``chunk_rows x k`` chunk of H: the FP32
@@ -86,7 +101,15 @@ class LinearShape:
 
 @dataclass(frozen=True)
 class Architecture:
-    """The config numbers the activation model needs (Llama-style decoder)."""
+    """The config numbers the activation model needs (Llama-style decoder).
+
+    A mixture-of-experts decoder (:data:`MOE_ACTIVATION_FAMILIES`) has ``moe_layers`` layers
+    of ``experts`` routed experts of width ``moe_intermediate``, ``top_k`` per token; its other
+    layers have a dense MLP of width ``intermediate``. ``norm_topk``: the top-k routing weights
+    are renormalised (an in-place division that saves their sum and a copy);
+    ``routing_bytes``: bytes per routing weight as the experts multiply by it (Qwen3-MoE casts
+    it to the logits' dtype, Mixtral keeps FP32).
+    """
 
     family: str
     hidden: int
@@ -98,6 +121,12 @@ class Architecture:
     vocab: int
     tied: bool
     qk_norm: bool
+    moe_layers: int = 0
+    experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
+    norm_topk: bool = False
+    routing_bytes: int = 2
 
 
 @dataclass(frozen=True)
@@ -150,7 +179,8 @@ class MemoryEstimate:
 
     ``total`` is the predicted peak; ``at_peak`` splits it into what is live at that moment
     (its values add up to ``total``); ``phase`` names the moment ('backward start',
-    'backward end' or 'optimizer step'); ``state`` is the method's training state
+    'expert backward', 'backward end' or 'optimizer step'); ``state`` is the method's training
+    state
     (everything but weights, activations and temporaries): the saving of RGC over LoRA
     predicted in the RGC preprint is ``lora.state - rgc.state``.
     """
@@ -282,7 +312,8 @@ def spec_from_module(model: nn.Module) -> ModelSpec:
     Linear layers are ``nn.Linear`` (a wrapped ``CompressedLinear`` too), transformers'
     ``Conv1D``, and the 3-D expert weights of transformers' Experts modules (sketched or not),
     one :class:`LinearShape` with ``experts = E`` each. If the model has a ``config`` of a
-    Llama-style family, its numbers are used for the activation model.
+    Llama-style family or of :data:`MOE_ACTIVATION_FAMILIES`, its numbers are used for the
+    activation model.
     """
     seen: set = set()
     weight_bytes = 0
@@ -310,10 +341,36 @@ def spec_from_module(model: nn.Module) -> ModelSpec:
                 linears.append(LinearShape(f"{name}.{w}", d, k, bool(m.has_bias), experts))
     arch = None
     cfg = getattr(model, "config", None)
-    if cfg is not None and getattr(cfg, "model_type", None) in LLAMA_FAMILY:
-        arch = _llama_spec(cfg.to_dict(), cfg.model_type, itemsize).arch
+    family = getattr(cfg, "model_type", None)
+    if family in LLAMA_FAMILY:
+        arch = _llama_spec(cfg.to_dict(), family, itemsize).arch
+    elif family in MOE_ACTIVATION_FAMILIES:
+        arch = _moe_arch(cfg.to_dict(), family, itemsize)
     return ModelSpec(weight_bytes, sum(numels), tuple(linears), arch, itemsize,
                      max(numels, default=0), tuple(numels), _layer_numels(model))
+
+
+def _moe_arch(cfg: dict, family: str, itemsize: int) -> Architecture:
+    """The :class:`Architecture` of a Qwen3-MoE or Mixtral config (transformers' names) with
+    weights of ``itemsize`` bytes per element."""
+    h, n_layers, heads = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    # transformers 5 maps Qwen3-MoE's num_experts to num_local_experts
+    experts = cfg.get("num_local_experts", cfg.get("num_experts"))
+    if family == "qwen3_moe":
+        width = cfg["moe_intermediate_size"]
+        step, dense_only = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+        moe_layers = sum(1 for i in range(n_layers) if i not in dense_only and experts > 0
+                         and (i + 1) % step == 0)
+        norm_topk, routing_bytes = bool(cfg.get("norm_topk_prob", False)), itemsize
+    else:  # mixtral: every layer routed, weights renormalised and kept in FP32
+        width, moe_layers = cfg["intermediate_size"], n_layers
+        norm_topk, routing_bytes = True, FP32
+    return Architecture(family, h, cfg["intermediate_size"], n_layers, heads,
+                        cfg.get("num_key_value_heads") or heads,
+                        cfg.get("head_dim") or h // heads, cfg["vocab_size"],
+                        bool(cfg.get("tie_word_embeddings", False)), family == "qwen3_moe",
+                        moe_layers, experts, cfg["num_experts_per_tok"], width, norm_topk,
+                        routing_bytes)
 
 
 def _layer_numels(model: nn.Module) -> tuple[int, ...]:
@@ -337,8 +394,10 @@ def _is_target(targets, name: str) -> bool:
 
 
 def _activations(arch: Architecture, mode: str, rank: int, n: int, seq_len: int,
-                 wsize: int, targets: list[LinearShape]) -> tuple[int, int]:
-    """(saved activations, loss transient at backward start) in bytes for n tokens.
+                 wsize: int, targets: list[LinearShape]) -> tuple[int, int, int]:
+    """(saved activations, loss transient at backward start, saved by the model's head) in
+    bytes for n tokens; the head's part (final norm onwards) is freed before the decoder
+    layers' backward.
 
     ``mode`` says what is trained: 'dense' (every parameter), 'targets' (the targets' weights
     with dense gradients, everything else frozen: GaLore, APOLLO), 'sketch' (rgc, RowAdam) or
@@ -353,9 +412,12 @@ def _activations(arch: Architecture, mode: str, rank: int, n: int, seq_len: int,
       (their normalised tensors in 'dense' only, their outputs are q and k);
     * attention (SDPA): q and its output (2nq each), k and v (2nc each), FP32 logsumexp (4na);
     * MLP: gate and up outputs and SiLU(gate) (3 x 2ni); 'dense' and 'targets' also
-      SiLU(gate)*up (2ni), down_proj's input;
+      SiLU(gate)*up (2ni), down_proj's input; a mixture-of-experts layer instead
+      :func:`_moe_layer_activations`;
     * per target linear: 'sketch' ``X P`` (n x r, weight dtype); 'lora' the FP32 copy of its
-      input (4nk, one per target: peft casts x for each adapter) and ``A x`` (4nr).
+      input (4nk, one per target: peft casts x for each adapter) and ``A x`` (4nr); per
+      target expert stack: 'sketch' ``X P`` per token (gate/up) or per routed row (down),
+      'lora' the stack's BF16 input per routed row.
 
     The terms other than the targets' assume at least one target in the attention and one in
     the MLP of every layer (the default targets are all seven projections).
@@ -377,20 +439,54 @@ def _activations(arch: Architecture, mode: str, rank: int, n: int, seq_len: int,
         qk = 4 * n * (q + c) + 4 * n * (a + g) + (2 * n * (q + c) if dense else 0)
     attention = 2 * n * (2 * q + 2 * c) + 4 * n * a
     mlp = 6 * n * i + (2 * n * i if inputs else 0)
-    if mode == "sketch":
-        saved_by_targets = len(targets) * n * rank * wsize
-    elif mode == "lora":
-        saved_by_targets = sum(4 * n * s.k + 4 * n * rank for s in targets)
-    else:
-        saved_by_targets = 0
-    total = arch.layers * (2 * norm + qk + attention + mlp) + saved_by_targets
+    routed = n * arch.top_k  # rows of the experts' products
+    saved_by_targets = 0
+    for s in targets:
+        if mode == "sketch":
+            rows = routed if s.experts > 1 and _is_down_stack(s) else n
+            saved_by_targets += rows * rank * wsize
+        elif mode == "lora":
+            saved_by_targets += (routed * s.k * wsize if s.experts > 1
+                                 else 4 * n * s.k + 4 * n * rank)
+    total = (arch.layers * (2 * norm + qk + attention) + (arch.layers - arch.moe_layers) * mlp
+             + arch.moe_layers * _moe_layer_activations(arch, n, wsize, dense)
+             + saved_by_targets)
     if not dense:
         total -= 4 * n * h + 4 * n  # the first layer's input norm
     total += 8 * n if dense else 0  # embedding ids
     total += 2 * seq_len * arch.head_dim * wsize  # cos, sin
-    total += 4 * n * h + 4 * n + (4 * n * h if dense else 0)  # final norm
-    total += 4 * n * V + 8 * n + FP32  # log_softmax, targets, loss
-    return total, 2 * 4 * n * V
+    # the final norm, log_softmax, targets and loss: freed before the decoder layers' backward
+    head = 4 * n * h + 4 * n + (4 * n * h if dense else 0) + 4 * n * V + 8 * n + FP32
+    return total + head, 2 * 4 * n * V, head
+
+
+def _is_down_stack(s: LinearShape) -> bool:
+    """True for the down projection of an experts layer (its input differs per routed row)."""
+    return s.name.rsplit(".", 1)[-1] == "down_proj"
+
+
+def _moe_layer_activations(arch: Architecture, n: int, wsize: int, dense: bool) -> int:
+    """Bytes a mixture-of-experts block saves for ``n`` tokens, beyond its expert weights' own
+    terms (``X P`` of sketched stacks, the inputs of LoRA-adapted ones: see
+    :func:`_activations`).
+
+    With E experts, S = n top_k routed rows, i the experts' width, h hidden, w the weights'
+    bytes per element: the router's FP32 softmax (4nE) and int64 top-k indices (8S), with
+    ``norm_topk`` the FP32 sum and unnormalised weights of the division (4n + 4S); the int64
+    row-to-token index, sort permutation and its inverse (3 x 8S), the int32 offsets (4E) and
+    the routing weights of the rows (S ``routing_bytes``); the gate/up output (2Si w), SiLU of
+    the gate (Si w) and the down output (Sh w), kept for the product with the routing weights.
+    'dense' also saves the input of both stacks (S h w and S i w; the router's input is the
+    norm's output, counted with the norm). Measured on transformers 5.24's Qwen3-MoE and
+    Mixtral, rgc's sketched experts and transformers' ``grouped_mm`` experts alike.
+    """
+    routed, width, E = n * arch.top_k, arch.moe_intermediate, arch.experts
+    router = 4 * n * E + 8 * routed + (4 * n + 4 * routed if arch.norm_topk else 0)
+    routing = 3 * 8 * routed + 4 * E + arch.routing_bytes * routed
+    experts = routed * (3 * width + arch.hidden) * wsize
+    if dense:
+        experts += routed * (arch.hidden + width) * wsize
+    return router + routing + experts
 
 
 def _refresh_temp(k: int, r: int, weight_itemsize: int = 2, implementation: str = "torch") -> int:
@@ -442,23 +538,26 @@ def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
 
 def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
                              implementation: str = "torch", weight_itemsize: int = 2,
-                             experts: int = 1) -> int:
+                             experts: int = 1, old_projections: int | None = None) -> int:
     """Largest transient of one RowAdam update of a d x k weight at rank r, in bytes.
 
     The finiteness check and ``||C P^T||`` (as RGC's, which tell a skipped or, for experts, an
     empty sketch), the moment update (the new m, selected where the sketch is finite: 8dr);
-    the direction U is written into the sketch, and the update runs as RGC's. After every
-    update, with a copy of the old P (2kr), P is regenerated
-    (as RGC's) and m is carried into the new basis (float64 copies of both P and r x r
-    products, 16kr + 16r^2, then the new m beside the old float64 P, 8kr + 12r^2 + 4dr).
+    the direction U is written into the sketch, and the update runs as RGC's. After the
+    updates, RowAdam copies the old P of every weight it refreshes (``old_projections`` bytes
+    in all; default this weight's own, k r ``weight_itemsize``), regenerates the projections
+    (as RGC's) and carries m into each new basis (float64 copies of both P and r x r products,
+    16kr + 16r^2, then the new m beside the old float64 P, 8kr + 12r^2 + 4dr).
     A stack of ``experts`` matrices: dr terms over the whole stack, as
     :func:`rgc_step_temporaries`.
     """
     dr = experts * d * r
+    if old_projections is None:
+        old_projections = k * r * weight_itemsize
     carry = max(16 * k * r + 16 * r * r, 8 * k * r + 12 * r * r + 4 * dr)
     return UPDATE_SCALAR_BYTES + max(
         8 * dr, _norm_temp(d, k, r), _update_temp(d, k, r, chunk_rows, implementation),
-        2 * k * r + max(_refresh_temp(k, r, weight_itemsize, implementation), carry))
+        old_projections + max(_refresh_temp(k, r, weight_itemsize, implementation), carry))
 
 
 # -- compute mode (rgc.compute): FP32 matmuls on low-precision weights ----------------------
@@ -494,7 +593,9 @@ class _Plan:
     """One method's memory: full sizes of its parts (``MemoryEstimate`` field names), which of
     them backward allocates and ``zero_grad`` frees, the largest transients of the optimizer
     step and of the end of backward, what autograd saves (a mode of :func:`_activations`) and
-    saved bytes that do not depend on the batch (``fixed_activations``).
+    saved bytes that do not depend on the batch (``fixed_activations``), and the largest
+    transient of backward beside the activations other than the loss's (``backward_temp``:
+    the dense gradient of an expert stack that LoRA's and AdamW's backward forms).
     """
 
     parts: dict
@@ -503,6 +604,7 @@ class _Plan:
     end_temp: int = 0
     activations: str = "dense"
     fixed_activations: int = 0
+    backward_temp: int = 0
 
 
 def _tied_embedding_transient(spec: ModelSpec, copies: int) -> int:
@@ -525,8 +627,11 @@ def _plan_sketch(spec, chosen, rank, *, method, chunk_rows, implementation):
              "gradients": sum(s.experts * s.d * wsize for s in chosen if s.bias),
              # RGCOptimizer: counters and 0-dim norms per layer, nothing per element
              "optimizer_state": 0}
-    temps = rgc_step_temporaries if method == "rgc" else rowadam_step_temporaries
+    temps = rgc_step_temporaries
     if method == "rowadam":
+        # the copies of every old P are held while the projections are regenerated
+        temps = functools.partial(rowadam_step_temporaries,
+                                  old_projections=parts["projections"])
         # m and v per target, and elementwise AdamW moments of the targets' trainable biases
         parts["optimizer_state"] = sum(s.experts * (s.d * rank * FP32 + s.d * FP32)
                                        for s in chosen)
@@ -540,25 +645,43 @@ def _plan_lora(spec, chosen, rank, **_):
     """peft LoRA: A (r x k) and B (d x r) in FP32 per matrix; on an expert stack (peft's
     ``target_parameters``) A is (E r) x k and B d x (E r), the same count per expert.
 
-    On BF16 or FP16 expert stacks peft forms ``W + B A`` of the whole stack in every forward
-    (a parametrization; measured with peft 0.21 on a tiny Qwen3-MoE), and autograd keeps it for
-    backward: one merged copy of every targeted stack, independent of the batch, counted in
-    ``activations`` (a bound: the last layer's copy was measured freed before backward).
+    On an expert stack peft forms ``W + B A`` of the whole stack in every forward (a
+    parametrization, one ``baddbmm`` of the stack and the factors cast to its dtype), and
+    autograd keeps for backward the merged copy of every targeted stack (E d k in the weight
+    dtype) and, for BF16 or FP16 stacks, the cast factors (E r (d + k)); FP32 factors are
+    views of the adapters. Independent of the batch, counted in ``activations`` (measured with
+    peft 0.21 on a tiny Qwen3-MoE).
     """
     adapter = sum(s.experts * rank * (s.d + s.k) for s in chosen) * FP32
     parts = {"adapters": adapter, "gradients": adapter, "optimizer_state": 2 * adapter}
-    merged = sum(s.experts * s.d * s.k * spec.weight_itemsize for s in chosen
-                 if s.experts > 1 and spec.weight_itemsize < FP32)
-    return _Plan(parts, ("gradients",), activations="lora", fixed_activations=merged)
+    wsize = spec.weight_itemsize
+    stacks = [s for s in chosen if s.experts > 1]
+    merged = sum(s.experts * (s.d * s.k + (rank * (s.d + s.k) if wsize < FP32 else 0)) * wsize
+                 for s in stacks)
+    # backward of a merged stack: its dense gradient (E d k), then the factors' (E r (d + k))
+    grad = max((s.experts * (s.d * s.k + rank * (s.d + s.k)) * wsize for s in stacks), default=0)
+    return _Plan(parts, ("gradients",), activations="lora", fixed_activations=merged,
+                 backward_temp=grad)
 
 
-def _plan_adamw(spec, chosen, rank, **_):
+def _plan_adamw(spec, chosen, rank, *, implementation, **_):
+    """The FP32-master recipe: see :func:`estimate_memory`.
+
+    Expert backward: an expert stack's BF16 gradient arrives while the earlier layers'
+    activations are live; on the CPU (``implementation='torch'``) the hook's ``add_`` into
+    the FP32 buffer first promotes it to an FP32 copy (measured; CUDA's kernel casts as it
+    reads, assumed); a tied embedding's lm_head contribution is held from the start of
+    backward.
+    """
     n = spec.num_params * FP32
     parts = {"master": n, "gradients": n, "optimizer_state": 2 * n}
     # The BF16 gradient of the largest parameter (the embedding) before the hook adds it into
     # its FP32 buffer; tied: the lm_head's and the embedding's contributions and their sum.
     end = _tied_embedding_transient(spec, 3) or spec.largest_param * spec.weight_itemsize
-    return _Plan(parts, (), end_temp=end)
+    stack = max((s.experts * s.d * s.k for s in spec.linears if s.experts > 1), default=0)
+    per_element = spec.weight_itemsize + (FP32 if implementation == "torch" else 0)
+    backward = stack * per_element + _tied_embedding_transient(spec, 1) if stack else 0
+    return _Plan(parts, (), end_temp=end, backward_temp=backward)
 
 
 def _quantized_state(numel: int, wsize: int, *, bits: int, block: int, qmap: int,
@@ -661,7 +784,7 @@ def _fsdp_gathered(spec: ModelSpec) -> int:
     prefetched (for a model read through its parameters, the two largest layers).
     """
     wsize = spec.weight_itemsize
-    if spec.arch is None and spec.layer_numels:
+    if (spec.arch is None or spec.arch.moe_layers) and spec.layer_numels:
         # a decoder described by its parameters (mixture of experts): the root's parameters
         # (everything outside the layers) and the two largest layers
         root = spec.num_params - sum(spec.layer_numels)
@@ -697,7 +820,8 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
         rank: r for the methods in :data:`RANKED` (APOLLO-Mini's is 1).
         targets: the layers compressed or adapted, as in :func:`rgc.wrap` (``None``: its
             ``DEFAULT_TARGETS``, i.e. q/k/v/o/gate/up/down for Llama-style models).
-        batch, seq_len: give both to include saved activations (Llama-style models only).
+        batch, seq_len: give both to include saved activations (Llama-style models,
+            Qwen3-MoE and Mixtral).
         dtype: the weights' dtype when reading a config (a module's own dtypes are used).
         chunk_rows: rows of H rebuilt at once by the reference RGC step.
         implementation: 'torch' (reference step, chunk temporaries; bitsandbytes' CPU step)
@@ -733,7 +857,8 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
       FP32 moments, fused AdamW, then the master copy is written back: 16 bytes per parameter
       on top of the weights. At backward end the transient BF16 gradient of the largest
       parameter is added (three of them for a tied embedding: the lm_head's and the
-      embedding's contributions and their sum).
+      embedding's contributions and their sum); on expert stacks, the expert-backward
+      transients of :func:`_plan_adamw`.
     * adamw-bf16, adamw-bf16-sr, adamw8bit, adamw4bit, bnb-adamw8bit: every parameter
       trained in its dtype; BF16 gradients from backward to ``zero_grad`` (a tied embedding
       adds its two contributions at backward end); two moments per parameter: in the
@@ -782,19 +907,28 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
     per_step = sum(est[k] for k in plan.per_step)
     phases = {"optimizer step": (per_step, plan.step_temp, 0),
               "backward end": (per_step, plan.end_temp + gathered, 0)}
-    acts, loss_temp = plan.fixed_activations, 0
+    acts, loss_temp, head = plan.fixed_activations, 0, 0
     if batch is not None:
         if spec.arch is None:
             raise ValueError("activations are modelled for Llama-style decoders (Llama, "
-                             "Mistral, Qwen2, Qwen3) given by a config or a transformers model, "
-                             "not yet for mixture-of-experts models; leave batch/seq_len unset "
-                             "for this model")
-        saved, loss_temp = _activations(spec.arch, plan.activations, rank or 0, batch * seq_len,
-                                        seq_len, spec.weight_itemsize, chosen)
+                             "Mistral, Qwen2, Qwen3) and the mixture-of-experts families "
+                             f"{MOE_ACTIVATION_FAMILIES}, given by a config or a transformers "
+                             "model, not for this one; leave batch/seq_len unset for it (the "
+                             "estimate is then everything but the batch's activations)")
+        if spec.arch.moe_layers and plan.activations == "targets":
+            raise ValueError(f"method {method!r} trains the targets' weights alone; its "
+                             "activations are not modelled for mixture-of-experts layers: "
+                             "leave batch/seq_len unset")
+        saved, loss_temp, head = _activations(spec.arch, plan.activations, rank or 0,
+                                              batch * seq_len, seq_len, spec.weight_itemsize,
+                                              chosen)
         acts += saved
     if batch is not None or acts:
         est["activations"] = acts
         phases["backward start"] = (0, loss_temp + gathered, acts)
+    if plan.backward_temp:
+        # a bound: the last layer's own activations are partly freed by then
+        phases["expert backward"] = (0, plan.backward_temp + gathered, acts - head)
     copies = 0
     if compute_dtype is not None and spec.weight_itemsize < FP32:
         copies = compute_copy_bytes(spec.linears, (batch or 0) * (seq_len or 0))
