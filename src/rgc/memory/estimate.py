@@ -70,11 +70,10 @@ MOE_ACTIVATION_FAMILIES = ("qwen3_moe", "mixtral")
 FP32 = 4
 
 #: Reference-path update, bytes per element of one ``chunk_rows x k`` chunk of H: the FP32
-#: new rows (4) and the FP32 squares of the stored rows for ``||W_new||^2`` (4), or, while the
-#: next chunk is built, the previous chunk's new rows (4); the BF16 result is rounded straight
-#: into W. Measured with the tracker on torch 2.13;
-#: ``tests/test_memory_estimate.py`` checks whole steps.
-UPDATE_BYTES_PER_CHUNK_ELEMENT = 8
+#: rebuilt rows, which the compiled pass turns into the rounded patterns in place before they
+#: are stored into W (the norm of the written stack is a reduction without a copy). Measured
+#: with the tracker on torch 2.13; ``tests/test_memory_estimate.py`` checks whole steps.
+UPDATE_BYTES_PER_CHUNK_ELEMENT = 4
 
 #: The step's device scalars of one layer (an FP32 coefficient and a bool flag, 0-dim, live
 #: until its projection is refreshed), rounded up to two CUDA allocator blocks of 512 bytes.
@@ -522,8 +521,7 @@ def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
     """Largest transient of one RGCOptimizer update of a d x k weight at rank r, in bytes.
 
     The largest of: ``||H||`` from the Gram matrix and the finiteness of C (an FP32 copy of P,
-    the Gram and C P^T P, multiplied by C in place: 4kr + 4dr + 4r^2); ``||W||`` over row
-    chunks (8 bytes per chunk element); the update (4kr plus
+    the Gram and C P^T P, multiplied by C in place: 4kr + 4dr + 4r^2); the update (4kr plus
     :data:`UPDATE_BYTES_PER_CHUNK_ELEMENT` per chunk element); regenerating P after the step
     (about 8kr for BF16 weights, 16kr for FP32, 20kr when k < 4r).
 
@@ -531,8 +529,7 @@ def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
     transient is one matrix's (``experts`` is accepted for the signature's symmetry).
     """
     return UPDATE_SCALAR_BYTES + max(
-        _norm_temp(d, k, r), 8 * min(chunk_rows, d) * k,
-        _update_temp(d, k, r, chunk_rows, implementation),
+        _norm_temp(d, k, r), _update_temp(d, k, r, chunk_rows, implementation),
         _refresh_temp(k, r, weight_itemsize, implementation))
 
 

@@ -439,6 +439,7 @@ def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
                 _write_rows(rows, h, factor, seed=seeds[m],
                             offset=offsets[m] + (e * d + start) * row_lengths[m],
                             row_length=row_lengths[m], stochastic_rounding=stochastic_rounding)
+                del h  # before the next chunk's: one chunk of FP32 at a time
         if sq_norms is not None:
             sq_norms[m] = _sq_sums(w3)
 
