@@ -43,7 +43,7 @@ def test_quick_run_writes_table_plot_and_json(tmp_path):
     assert "Pooled over 2 GRPO seeds x 500 test questions" in first.stdout
     assert (out / "dev_accuracy.png").stat().st_size > 0
     result = json.loads((out / "results.json").read_text())
-    kinds = ["adamw", "lora", "rgc"]
+    kinds = ["adamw", "adamw_proj", "lora", "rgc"]
     assert [c["seed"] for c in result["chosen"]] == [0, 1]
     for c in result["chosen"]:
         assert list(c["methods"]) == kinds
@@ -95,7 +95,6 @@ def test_quick_run_writes_table_plot_and_json(tmp_path):
         assert (r2["label"], r2["seed"]) == (r1["label"], r1["seed"])
         assert r2["test_correct"] == r1["test_correct"] and r2["dev_curve"] == r1["dev_curve"]
         assert r2["train_peak_bytes"] == r1["train_peak_bytes"]
-
 
 
 def test_moe_quick_run_trains_attention_and_experts(tmp_path):
