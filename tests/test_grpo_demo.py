@@ -135,8 +135,8 @@ def test_moe_quick_run_trains_attention_and_experts(tmp_path):
     methods = result["chosen"][0]["methods"]
     assert methods["rgc"]["trainable_params"] == weights
     assert methods["lora"]["trainable_params"] == adapters
-    # Dense AdamW: also the embedding and head (16 x 64 each) and the norms (5 of 64 per layer
-    # and a final one: two of hidden size, q_norm and k_norm of head size 32), not the routers.
+    # Dense AdamW: also the embedding and the head (16 x 64 each) and the norms (per layer two
+    # of hidden size, q_norm and k_norm of head size 32; a final one), not the routers.
     others = 2 * 16 * hidden + layers * (2 * hidden + 2 * 32) + hidden
     assert methods["adamw"]["trainable_params"] == weights + others
     for kind in ("adamw", "lora"):
@@ -178,12 +178,16 @@ def test_moe_quick_run_trains_attention_and_experts(tmp_path):
                                          for c in routed.values())
     for name, p in method.policy.named_parameters():
         module, _, leaf = name.rpartition(".")
-        if leaf in ("gate_up_proj", "down_proj") and module in routed:
+        if leaf in ("gate_up_proj", "down_proj"):
+            assert module in routed, name
             for e in range(experts):
                 changed = not torch.equal(p[e], before[name][e])
                 assert changed == bool(routed[module][e] > 0), (name, e, routed[module])
         elif ".mlp.gate." in name or "embed" in name or "norm" in name or "lm_head" in name:
             assert torch.equal(p, before[name]), name
+    with pytest.raises(SystemExit):  # no --full preset for the MoE policy
+        grpo_arithmetic.main(["--moe", "--full"])
+
 
 def _import_demo():
     sys.path.insert(0, str(ROOT / "examples"))

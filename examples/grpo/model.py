@@ -42,8 +42,11 @@ class ModelConfig:
             pad_token_id=PAD, bos_token_id=1, eos_token_id=2, attn_implementation="eager")
 
     def describe(self) -> str:
-        return (f"Qwen3, hidden {self.hidden}, {self.layers} layers, {self.heads} query / "
-                f"{self.kv_heads} key-value heads, MLP {self.intermediate}")
+        return f"Qwen3, {self._attention()}, MLP {self.intermediate}"
+
+    def _attention(self) -> str:
+        return (f"hidden {self.hidden}, {self.layers} layers, {self.heads} query / "
+                f"{self.kv_heads} key-value heads")
 
     def build(self, seed: int, dtype=torch.bfloat16) -> transformers.PreTrainedModel:
         """A causal LM of this config with random weights drawn from ``seed``, in ``dtype``."""
@@ -70,8 +73,7 @@ class MoEConfig(ModelConfig):
                               norm_topk_prob=True)
 
     def describe(self) -> str:
-        return (f"Qwen3-MoE, hidden {self.hidden}, {self.layers} layers, {self.heads} query / "
-                f"{self.kv_heads} key-value heads, {self.experts} experts of width "
+        return (f"Qwen3-MoE, {self._attention()}, {self.experts} experts of width "
                 f"{self.intermediate} per layer, top {self.top_k}")
 
 
