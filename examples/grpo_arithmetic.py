@@ -4,12 +4,14 @@
     PYTHONPATH=src python examples/grpo_arithmetic.py            # the same, in this venv
     PYTHONPATH=src python examples/grpo_arithmetic.py --quick    # about a minute (smoke run)
     PYTHONPATH=src python examples/grpo_arithmetic.py --full     # longer: 5 seeds, + RowAdam
+    PYTHONPATH=src python examples/grpo_arithmetic.py --moe      # a Qwen3-MoE policy (--quick too)
 
-One base policy (a small random-init Qwen3 warm-started with dense AdamW to a stated dev
-accuracy, cached under .cache/grpo) is trained by every method with GRPO over several seeds
-(prompts, sampling and each method's own randomness change with the seed; the base and the
-questions do not). Every method tries the same learning-rate multipliers, chosen on dev before
-the test set is read. The verdict pools the paired test differences over seeds and questions.
+One base policy (a small random-init Qwen3, or a Qwen3-MoE with --moe, warm-started with dense
+AdamW to a stated dev accuracy, cached under .cache/grpo) is trained by every method with GRPO
+over several seeds (prompts, sampling and each method's own randomness change with the seed;
+the base and the questions do not). Every method tries the same learning-rate multipliers,
+chosen on dev before the test set is read. The verdict pools the paired test differences over
+seeds and questions.
 See docs/demo.md.
 """
 
@@ -30,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from grpo.experiment import Preset, run_experiment  # noqa: E402
-from grpo.model import ModelConfig, WarmStart, WarmStartError  # noqa: E402
+from grpo.model import ModelConfig, MoEConfig, WarmStart, WarmStartError  # noqa: E402
 from grpo.report import plot, seed_rows, verdict, verdict_lines, verdict_table  # noqa: E402
 from grpo.train import GRPOSettings  # noqa: E402
 
@@ -51,6 +53,13 @@ PRESETS = {
                    seeds=(0, 1, 2, 3, 4), selection="per_seed",
                    methods=("adamw", "adamw_proj", "lora", "rgc", "rowadam")),
 }
+# The MoE policy: RGC, dense AdamW and LoRA train the same attention projections and expert
+# stacks (dense AdamW also the embeddings, norms and head; no method the routers).
+MOE_METHODS = ("adamw", "lora", "rgc")
+PRESETS["moe_quick"] = replace(PRESETS["quick"], methods=MOE_METHODS, model=MoEConfig(
+    hidden=64, layers=2, heads=2, kv_heads=1, intermediate=64, experts=4))
+PRESETS["moe"] = Preset(model=MoEConfig(), warm=WarmStart(), grpo=GRPOSettings(eval_every=50),
+                        methods=MOE_METHODS)
 
 
 def write_results(out: Path, record: dict) -> None:
@@ -64,7 +73,8 @@ def write_results(out: Path, record: dict) -> None:
     table = markdown_table(rows)
     vtable = markdown_table(verdict_table(judged, settings["seeds"]))
     summary = verdict_lines(judged, record)
-    notes = [f"preset `{record['preset']}`: GRPO seeds {list(settings['seeds'])}, base seed "
+    notes = [f"policy: {record['policy']}"] if "policy" in record else []
+    notes += [f"preset `{record['preset']}`: GRPO seeds {list(settings['seeds'])}, base seed "
              f"{settings['base_seed']}; methods {', '.join(settings['methods'])}; every method "
              f"tries {list(settings['multipliers'])} x its rate, chosen on dev "
              + ("on the first seed" if settings["selection"] == "first_seed" else "on each seed"),
@@ -95,6 +105,9 @@ def main(argv=None) -> Path:
                       "RowAdam too")
     size.add_argument("--report", type=Path, metavar="DIR",
                       help="train nothing: rewrite DIR's tables and plot from its results.json")
+    parser.add_argument("--moe", action="store_true",
+                        help="a Qwen3-MoE policy (8 experts, top 2) instead of the dense one; "
+                             "with --quick, its smoke run")
     parser.add_argument("--seed", type=int, nargs="+", help="GRPO seeds; overrides the preset's")
     parser.add_argument("--base-seed", type=int,
                         help="seed of the base policy and of the questions (preset: 0)")
@@ -122,6 +135,10 @@ def main(argv=None) -> Path:
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
     name = "quick" if args.quick else "full" if args.full else "default"
+    if args.moe:
+        if args.full:
+            parser.error("--moe has a default and a --quick preset, no --full")
+        name = "moe_quick" if args.quick else "moe"
     preset = PRESETS[name]
     if args.seed:
         preset = replace(preset, seeds=tuple(args.seed))
@@ -142,7 +159,8 @@ def main(argv=None) -> Path:
     settings = {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v)
                 for k, v in vars(preset).items()}
     env = environment() | {"compute mode": str(compute)}
-    write_results(out, {"preset": name, "settings": settings, "env": env, **outcome})
+    write_results(out, {"preset": name, "policy": preset.model.describe(), "settings": settings,
+                        "env": env, **outcome})
     return out
 
 

@@ -97,6 +97,98 @@ def test_quick_run_writes_table_plot_and_json(tmp_path):
         assert r2["train_peak_bytes"] == r1["train_peak_bytes"]
 
 
+def test_moe_quick_run_trains_attention_and_experts(tmp_path):
+    """``--moe --quick``: a Qwen3-MoE policy through the whole pipeline. RGC and LoRA train the
+    attention projections and the expert stacks, dense AdamW those and the embeddings, norms
+    and head, no method the routers; the report has every method's rows, and an RGC step moves
+    every expert."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    import rgc.compute
+
+    mode = rgc.compute.choose_compute_mode().name
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    cmd = [sys.executable, str(ROOT / "examples" / "grpo_arithmetic.py"), "--moe", "--quick",
+           "--no-progress", "--out", str(out), "--cache-dir", str(cache), "--compute", mode,
+           "--workers", "1"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((out / "results.json").read_text())
+    assert result["preset"] == "moe_quick" and result["policy"].startswith("Qwen3-MoE")
+    kinds = ["adamw", "lora", "rgc"]
+    assert [list(c["methods"]) for c in result["chosen"]] == [kinds, kinds]
+    report = (out / "results.md").read_text()
+    assert "policy: Qwen3-MoE" in report
+    for seed in (0, 1):
+        for label in ("adamw lr=", "lora r=8", "rgc r=8"):
+            assert f"| {seed} | {label}" in report
+    names = [v["comparison"] for v in result["verdict"]]
+    assert "RGC - dense AdamW" in names and "RGC - LoRA" in names
+
+    # The quick preset's sizes, counted here: 2 layers of attention (q, o 64 x 64; k, v 32 x 64)
+    # and of 4 experts (gate/up 128 x 64, down 64 x 64 each), LoRA rank 8 on each matrix.
+    layers, experts, hidden, rank = 2, 4, 64, 8
+    attention, expert = [(64, 64), (32, 64), (32, 64), (64, 64)], [(128, 64), (64, 64)]
+    weights = layers * (sum(d * k for d, k in attention) + experts * sum(d * k for d, k in expert))
+    adapters = layers * (sum(rank * (d + k) for d, k in attention)
+                         + experts * sum(rank * (d + k) for d, k in expert))
+    methods = result["chosen"][0]["methods"]
+    assert methods["rgc"]["trainable_params"] == weights
+    assert methods["lora"]["trainable_params"] == adapters
+    # Dense AdamW: also the embedding and the head (16 x 64 each) and the norms (per layer two
+    # of hidden size, q_norm and k_norm of head size 32; a final one), not the routers.
+    others = 2 * 16 * hidden + layers * (2 * hidden + 2 * 32) + hidden
+    assert methods["adamw"]["trainable_params"] == weights + others
+    for kind in ("adamw", "lora"):
+        assert methods["rgc"]["train_peak_bytes"] < methods[kind]["train_peak_bytes"]
+
+    # One RGC update from the cached base moves every expert that received a token (this warm
+    # start has no load-balancing loss: an expert may receive none, and then keeps its bits),
+    # and nothing frozen.
+    grpo = _import_demo()
+    torch = pytest.importorskip("torch")
+    import grpo_arithmetic
+    from grpo.experiment import Run, build_method
+    from grpo.task import PAD, answer_ids, make_splits, prompt_ids
+    from safetensors.torch import load_file
+
+    preset = grpo_arithmetic.PRESETS["moe_quick"]
+    (base_file,) = cache.iterdir()
+    method = build_method(Run("rgc", 1.0, 0), load_file(base_file), preset,
+                          rgc.compute.choose_compute_mode(override=mode))
+    routed = {}  # layer's experts module name -> tokens routed to each expert
+
+    def count(name):
+        def hook(router, args, out):
+            routed[name] = torch.bincount(out[2].flatten(), minlength=experts)
+        return hook
+
+    for name, module in method.policy.named_modules():
+        if name.endswith(".mlp.gate"):
+            module.register_forward_hook(count(name.replace(".gate", ".experts")))
+    before = {n: p.detach().clone() for n, p in method.policy.named_parameters()}
+    questions = make_splits(0, 32, 0, 0)[0]
+    prompts, answers = prompt_ids(questions), answer_ids(questions)
+    mask = (answers != PAD).float()
+    method.policy.train()
+    logprobs = grpo.model.answer_logprobs(method.policy, prompts, answers)
+    (-(logprobs * mask).sum() / mask.sum()).backward()
+    method.step(torch.cat([prompts, answers], dim=1))
+    assert len(routed) == layers and all(c.sum() == 2 * prompts.numel() + 2 * answers.numel()
+                                         for c in routed.values())
+    for name, p in method.policy.named_parameters():
+        module, _, leaf = name.rpartition(".")
+        if leaf in ("gate_up_proj", "down_proj"):
+            assert module in routed, name
+            for e in range(experts):
+                changed = not torch.equal(p[e], before[name][e])
+                assert changed == bool(routed[module][e] > 0), (name, e, routed[module])
+        elif ".mlp.gate." in name or "embed" in name or "norm" in name or "lm_head" in name:
+            assert torch.equal(p, before[name]), name
+    with pytest.raises(SystemExit):  # no --full preset for the MoE policy
+        grpo_arithmetic.main(["--moe", "--full"])
+
+
 def _import_demo():
     sys.path.insert(0, str(ROOT / "examples"))
     import grpo.loss

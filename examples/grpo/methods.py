@@ -17,6 +17,33 @@ from grpo.task import PAD
 import rgc
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# The 3-D expert weights of a Qwen3-MoE layer (peft's target_parameters names). Every method
+# leaves the routers (mlp.gate) frozen, as rgc.wrap does by default: docs/demo.md says why.
+EXPERT_STACKS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def is_target(name: str) -> bool:
+    """Whether parameter ``name`` is trained by RGC, LoRA and dense AdamW on the projections:
+    the weight of a ``TARGETS`` linear layer or an expert stack."""
+    module, _, leaf = name.rpartition(".")
+    return ((leaf == "weight" and module.rpartition(".")[2] in TARGETS)
+            or name.endswith(tuple(f".{s}" for s in EXPERT_STACKS)))
+
+
+def has_experts(model: torch.nn.Module) -> bool:
+    return any(is_target(n) and p.dim() == 3 for n, p in model.named_parameters())
+
+
+def linear_targets(model: torch.nn.Module) -> list[str]:
+    """The ``TARGETS`` the model has as linear layers (peft reads a missing ``gate_proj`` and
+    ``up_proj`` of an MoE model as the older name of its fused expert stack, at twice the rank)."""
+    names = {n.rpartition(".")[2] for n, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear)}
+    return [t for t in TARGETS if t in names]
+
+
+# rgc.wrap matches an expert weight by its last name component (down_proj is in TARGETS too).
+WRAP_TARGETS = sorted({*TARGETS, *(s.rpartition(".")[2] for s in EXPERT_STACKS)})
 
 
 class Method:
@@ -56,7 +83,8 @@ class Method:
 
 
 class DenseAdamW(Method):
-    """Every parameter trained by torch AdamW on an FP32 master copy; BF16 working weights.
+    """Every parameter but the routers of an MoE policy trained by torch AdamW on an FP32 master
+    copy; BF16 working weights.
 
     After backward (BF16 gradients) the gradients are copied to the FP32 masters, AdamW
     updates them, and the BF16 policy weights are overwritten by the rounded masters.
@@ -64,13 +92,15 @@ class DenseAdamW(Method):
 
     kind = "adamw"
     name = "dense AdamW"
-    targets: list[str] | None = None  # None: every parameter; else these Linear names only
+    targets_only = False  # True: only the weights RGC trains (:func:`is_target`)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.targets is not None:
-            for name, p in self.policy.named_parameters():  # "...layers.0.self_attn.q_proj.weight"
-                p.requires_grad_(name.split(".")[-2] in self.targets and name.endswith("weight"))
+        if self.targets_only:
+            for name, p in self.policy.named_parameters():
+                p.requires_grad_(is_target(name))
+        for _, p in rgc.router_parameters(self.policy):
+            p.requires_grad_(False)
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
         self.master = [torch.nn.Parameter(p.detach().float()) for p in self.params]
         self.opt = torch.optim.AdamW(self.master, lr=self.lr, weight_decay=0.0)
@@ -93,14 +123,16 @@ class DenseAdamW(Method):
 
 
 class DenseAdamWProjections(DenseAdamW):
-    """Dense AdamW on the seven projection weights only: the trainable set of RGC and LoRA.
+    """Dense AdamW on the seven projection weights only (of an MoE policy: the attention
+    projections and the expert stacks): the trainable set of RGC and LoRA.
 
-    Embeddings, norms and the output head stay frozen (no gradient, no master, no moments).
+    Embeddings, norms, routers and the output head stay frozen (no gradient, no master, no
+    moments).
     """
 
     kind = "adamw_proj"
     name = "dense AdamW, 7 projections"
-    targets = TARGETS
+    targets_only = True
 
     @property
     def label(self):
@@ -108,7 +140,11 @@ class DenseAdamWProjections(DenseAdamW):
 
 
 class LoRA(Method):
-    """peft LoRA (rank r, alpha 2r, no dropout) on the same targets; FP32 adapters, AdamW."""
+    """peft LoRA (rank r, alpha 2r, no dropout) on the same targets; FP32 adapters, AdamW.
+
+    On an MoE policy the expert stacks get peft's ``target_parameters`` adapters (rank r per
+    expert); peft forms each stack's merged ``W + B A`` in every forward.
+    """
 
     kind = "lora"
     name = "LoRA"
@@ -119,7 +155,8 @@ class LoRA(Method):
 
         torch.manual_seed(self.seed)  # peft draws lora_A from torch's global generator
         config = LoraConfig(r=self.rank, lora_alpha=2 * self.rank, lora_dropout=0.0,
-                            target_modules=TARGETS)
+                            target_modules=linear_targets(self.policy),
+                            target_parameters=EXPERT_STACKS if has_experts(self.policy) else None)
         self.policy = get_peft_model(self.policy, config)  # adapters in FP32 by default
         trainable = [p for p in self.policy.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(trainable, lr=self.lr, weight_decay=0.0)
@@ -150,7 +187,7 @@ class RGC(Method):
     def __init__(self, *args, tau_scale: float = 1.0, **kwargs):
         super().__init__(*args, **kwargs)
         self.tau_scale = tau_scale
-        rgc.wrap(self.policy, self.rank, targets=TARGETS, seed=self.seed)
+        rgc.wrap(self.policy, self.rank, targets=WRAP_TARGETS, seed=self.seed)
         self.tau = tau_scale * rgc.calibrate_lr(self.policy, self.lr)
         self.opt = rgc.RGCOptimizer([p for p in self.policy.parameters() if p.requires_grad],
                                     lr=self.tau, seed=self.seed)
@@ -164,9 +201,7 @@ class RGC(Method):
         return {}
 
     def state_tensors(self):
-        for _, layer in rgc.compressed_layers(self.policy):
-            if layer.sketch is not None:
-                yield layer.sketch
+        yield from sketches(self.policy)
 
 
 class RowAdam(Method):
@@ -183,7 +218,7 @@ class RowAdam(Method):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        rgc.wrap(self.policy, self.rank, targets=TARGETS, preset="logra", seed=self.seed)
+        rgc.wrap(self.policy, self.rank, targets=WRAP_TARGETS, preset="logra", seed=self.seed)
         self.control = rgc.PredictedKL(budget=2e-4, final_budget=2e-5, anneal_steps=self.steps)
         self.opt = rgc.RowAdam([p for p in self.policy.parameters() if p.requires_grad],
                                lr=self.lr, seed=self.seed, step_control=self.control)
@@ -201,11 +236,16 @@ class RowAdam(Method):
         return {k: last[k] for k in ("alpha", "predicted_kl", "realised_kl") if k in last}
 
     def state_tensors(self):
-        for _, layer in rgc.compressed_layers(self.policy):
-            if layer.sketch is not None:
-                yield layer.sketch
+        yield from sketches(self.policy)
         for state in self.opt.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def sketches(policy) -> Iterator[torch.Tensor]:
+    """The FP32 sketches of every sketched weight (linear layers and expert stacks)."""
+    for _, owner in rgc.sketched_weights(policy):
+        if owner.sketch is not None:
+            yield owner.sketch
 
 
 METHODS: dict[str, type[Method]] = {"adamw": DenseAdamW, "adamw_proj": DenseAdamWProjections,

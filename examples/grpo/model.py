@@ -1,4 +1,4 @@
-"""The policy model (a small random Qwen3) and its supervised warm start, cached on disk."""
+"""The policy model (a small random Qwen3 or Qwen3-MoE) and its warm start, cached on disk."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -13,29 +14,67 @@ import transformers
 from grpo.task import EOS, MAX_ANSWER_LEN, PAD, PROMPT_LEN, VOCAB_SIZE, answer_ids, prompt_ids
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import rgc.compute
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """A small Qwen3: ``intermediate`` is the width of each layer's MLP."""
     hidden: int = 128
     layers: int = 4
     heads: int = 4
     kv_heads: int = 2
     intermediate: int = 384
 
-    def build(self, seed: int, dtype=torch.bfloat16) -> Qwen3ForCausalLM:
-        """A Qwen3ForCausalLM with random weights drawn from ``seed``, in ``dtype``."""
-        config = Qwen3Config(
+    model_class: ClassVar[type] = Qwen3ForCausalLM
+
+    def hf_config(self) -> transformers.PretrainedConfig:
+        return Qwen3Config(**self._shared())
+
+    def _shared(self) -> dict:
+        return dict(
             vocab_size=VOCAB_SIZE, hidden_size=self.hidden, intermediate_size=self.intermediate,
             num_hidden_layers=self.layers, num_attention_heads=self.heads,
             num_key_value_heads=self.kv_heads, head_dim=self.hidden // self.heads,
             max_position_embeddings=PROMPT_LEN + MAX_ANSWER_LEN, tie_word_embeddings=False,
             pad_token_id=PAD, bos_token_id=1, eos_token_id=2, attn_implementation="eager")
+
+    def describe(self) -> str:
+        return f"Qwen3, {self._attention()}, MLP {self.intermediate}"
+
+    def _attention(self) -> str:
+        return (f"hidden {self.hidden}, {self.layers} layers, {self.heads} query / "
+                f"{self.kv_heads} key-value heads")
+
+    def build(self, seed: int, dtype=torch.bfloat16) -> transformers.PreTrainedModel:
+        """A causal LM of this config with random weights drawn from ``seed``, in ``dtype``."""
+        config = self.hf_config()
         torch.manual_seed(seed)
-        return Qwen3ForCausalLM(config).to(dtype).eval()
+        return self.model_class(config).to(dtype).eval()
+
+
+@dataclass(frozen=True)
+class MoEConfig(ModelConfig):
+    """A small Qwen3-MoE: every layer's MLP is ``experts`` experts of width ``intermediate``,
+    ``top_k`` of them per token (weights renormalised over the chosen), and a router; no
+    shared expert. Expert weights are transformers' 3-D stacks ``mlp.experts.gate_up_proj``
+    [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I]."""
+    intermediate: int = 192
+    experts: int = 8
+    top_k: int = 2
+
+    model_class: ClassVar[type] = Qwen3MoeForCausalLM
+
+    def hf_config(self) -> transformers.PretrainedConfig:
+        return Qwen3MoeConfig(**self._shared(), moe_intermediate_size=self.intermediate,
+                              num_experts=self.experts, num_experts_per_tok=self.top_k,
+                              norm_topk_prob=True)
+
+    def describe(self) -> str:
+        return (f"Qwen3-MoE, {self._attention()}, {self.experts} experts of width "
+                f"{self.intermediate} per layer, top {self.top_k}")
 
 
 @dataclass(frozen=True)
