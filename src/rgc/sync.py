@@ -134,6 +134,25 @@ def _float64(value, count: int | None = None) -> torch.Tensor:
     return t.reshape(()) if count is None else t.expand(count).reshape(count).clone()
 
 
+def check_payload_header(payload, error: type[Exception] = ValueError) -> None:
+    """Raise ``error`` unless ``payload`` is a dict of a format this module reads whose
+    checksum matches its entries (checked first, so an altered payload is refused whatever it
+    holds)."""
+    if not isinstance(payload, dict) or "rgc/format" not in payload:
+        raise error("not an rgc sync payload (no 'rgc/format' entry); build it with "
+                    "optimizer.export_update(model)")
+    if payload["rgc/format"].tolist() not in [[v] for v in READ_FORMATS]:
+        raise error(f"unsupported payload format {payload['rgc/format'].tolist()}; this rgc "
+                    f"reads formats {list(READ_FORMATS)}")
+    checksum = payload.get(CHECKSUM_KEY)
+    if (not torch.is_tensor(checksum) or checksum.dtype != torch.uint8
+            or tuple(checksum.shape) != (32,)
+            or not torch.equal(checksum.cpu(), payload_checksum(payload))):
+        raise error("payload checksum mismatch: the payload was changed or corrupted after "
+                    "export_update() (or has no 'rgc/checksum'); nothing was applied. Send "
+                    "that step's payload again")
+
+
 @torch.no_grad()
 def payload_checksum(payload: dict[str, torch.Tensor]) -> torch.Tensor:
     """SHA-256 of every entry of ``payload`` except ``rgc/checksum``: uint8 ``[32]`` on the CPU.
@@ -350,19 +369,7 @@ def apply_update(target: nn.Module | dict[str, torch.Tensor], payload: dict[str,
     (e.g. another device type) and needs a full copy of the weights. ``rgc_sync_step`` is then
     not advanced.
     """
-    if not isinstance(payload, dict) or "rgc/format" not in payload:
-        raise ValueError("not an rgc sync payload (no 'rgc/format' entry); build it with "
-                         "optimizer.export_update(model)")
-    if payload["rgc/format"].tolist() not in [[v] for v in READ_FORMATS]:
-        raise ValueError(f"unsupported payload format {payload['rgc/format'].tolist()}; this "
-                         f"rgc reads formats {list(READ_FORMATS)}")
-    checksum = payload.get(CHECKSUM_KEY)
-    if (not torch.is_tensor(checksum) or checksum.dtype != torch.uint8
-            or tuple(checksum.shape) != (32,)
-            or not torch.equal(checksum.cpu(), payload_checksum(payload))):
-        raise ValueError("payload checksum mismatch: the payload was changed or corrupted after "
-                         "export_update() (or has no 'rgc/checksum'); nothing was applied. "
-                         "Send that step's payload again")
+    check_payload_header(payload)
     step = int(payload["rgc/step"])
     if isinstance(target, nn.Module):
         tensors = dict(target.named_parameters(remove_duplicate=False))

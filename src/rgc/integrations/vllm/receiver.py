@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from rgc.integrations.vllm.layout import Piece, locate, piece_fingerprint
 from rgc.projection import PROJECTION_KINDS, make_projection
-from rgc.sync import _DTYPES, CHECKSUM_KEY, READ_FORMATS, payload_checksum
+from rgc.sync import _DTYPES, check_payload_header
 from rgc.updates import apply_dense_update_, apply_lowrank_update_
 
 _FIELDS = {"lowrank": {"factor", "coef", "decay", "seed", "projection", "options", "base",
@@ -89,19 +89,7 @@ def parse_payload(payload: dict[str, torch.Tensor]) -> tuple[int, list[Entry]]:
     holds), each entry's fields, dtypes and shapes, and that the values are finite. Raises
     :class:`PayloadError`.
     """
-    if not isinstance(payload, dict) or "rgc/format" not in payload:
-        raise PayloadError("not an rgc sync payload (no 'rgc/format' entry); build it with "
-                           "optimizer.export_update(model)")
-    if payload["rgc/format"].tolist() not in [[v] for v in READ_FORMATS]:
-        raise PayloadError(f"unsupported payload format {payload['rgc/format'].tolist()}; "
-                           f"this rgc reads formats {list(READ_FORMATS)}")
-    checksum = payload.get(CHECKSUM_KEY)
-    if (not torch.is_tensor(checksum) or checksum.dtype != torch.uint8
-            or tuple(checksum.shape) != (32,)
-            or not torch.equal(checksum.cpu(), payload_checksum(payload))):
-        raise PayloadError("payload checksum mismatch: the payload was changed or corrupted "
-                           "after export_update() (or has no 'rgc/checksum'); nothing was "
-                           "applied. Send that step's payload again")
+    check_payload_header(payload, PayloadError)
     step = _scalar(payload, "rgc/step", torch.int64)
     fields: dict[str, set[str]] = {}
     for key in payload:
