@@ -117,3 +117,29 @@ def test_with_dynamo_disabled_the_first_rounding_is_rounded_once():
     finally:
         reference._compiled.cache_clear()
     assert [b & 0xFFFF for b in out.view(torch.int16).tolist()] == want
+
+
+@CPU_PATHS
+@given(seed=st.integers(0, 2**64 - 1),
+       offset=st.one_of(st.integers(0, 2**20), st.integers(2**32 - 400, 2**32 + 100)),
+       d=st.integers(1, 9), k=st.integers(1, 40), decay=st.sampled_from([None, 0.25]),
+       chunk_rows=st.integers(1, 4))
+def test_update_writes_the_rounding_of_its_fp32_value(cpu_path, seed, offset, d, k, decay,
+                                                     chunk_rows):
+    """lowrank_update_'s one pass stores, at element (i, j), the Python-integer rounding (index
+    offset + i k + j) of float32(W) (1 - decay) - rebuilt row, the rebuilt rows formed here with
+    the same FP32 products."""
+    g = torch.Generator().manual_seed(d * 100 + k)
+    w = (torch.randn(1, d, k, generator=g) * 4).bfloat16()
+    u, p = torch.randn(1, d, 3, generator=g), torch.randn(k, 3, generator=g).bfloat16()
+    coef = torch.full((1, 1), 0.5)
+    decays = None if decay is None else torch.full((1, 1), decay)
+    factor = torch.tensor(1.0 if decay is None else 1.0 - decay, dtype=torch.float32)
+    h = torch.cat([(u[0, s:s + chunk_rows] * coef[0, 0]) @ p.float().t()
+                   for s in range(0, d, chunk_rows)])
+    new = (w[0].float() * factor - h).flatten().tolist()
+    want = [round_int(v, offset + i, seed) for i, v in enumerate(new)]
+    with on(cpu_path):
+        reference.lowrank_update_([w], [u], [p], coef, decays, [seed], [offset], [k], True,
+                                  chunk_rows, None)
+    assert [b & 0xFFFF for b in w.view(torch.int16).flatten().tolist()] == want

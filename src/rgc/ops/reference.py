@@ -1,11 +1,12 @@
 """The PyTorch reference of every rgc primitive: the CPU path, and the oracle of the kernels.
 
 One function per primitive, with the signature of its operator in :mod:`rgc.ops` and the
-formula in its docstring. They run on any device. On the CPU the integer hash is one compiled
-loop (``torch.compile`` of :func:`_round_words` / :func:`_hash_words`: integer operations
-only, so compiling changes no bit; measured 3.8 ms vs 3.3 ms for the C loop it replaced on
-4 M elements, against 60 ms as eager int32 ops); every floating-point operation is eager
-torch, one IEEE operation per op, so its bits are fixed by the formula as written.
+formula in its docstring. They run on any device. On the CPU the elementwise loops are
+``torch.compile``d (:func:`_compiled`): the hash and rounding (integer operations only), the
+Box-Muller Gaussians and the update's multiply-subtract-round pass (the eager float operations
+one by one: inductor neither reassociates nor contracts them), so compiling changes no bit
+(the tests compare the two), and the norm's FP32 reduction (an order of its own, used by every
+norm the CPU computes). Everything else, the GEMMs and the factorisations, is eager torch.
 
 Stacks: a sketched weight is handled as ``[E, d, k]`` (``E = 1`` for a 2-D weight), its
 sketch ``[E, d, r]`` FP32, its projection ``P`` ``[k, r]``; element ``(e, i, j)`` of stack
