@@ -377,7 +377,7 @@ def _sq_sums(w3: torch.Tensor) -> torch.Tensor:
     """``||W_e||_F^2`` of a stack ``[E, d, k]``, ``[E]`` FP32: the one reduction of
     :func:`sum_squares` and of :func:`lowrank_update_`'s norms, so a recomputed norm has the
     update's bits."""
-    return _int32_loop(_sq_sum_words, w3.device)(w3)
+    return _int32_loop(_sq_sum_words, w3.device)(w3.detach())
 
 
 def _write_rows(rows: torch.Tensor, h: torch.Tensor, factor: torch.Tensor | None, *,
@@ -387,7 +387,9 @@ def _write_rows(rows: torch.Tensor, h: torch.Tensor, factor: torch.Tensor | None
     others as ``copy_`` rounds. ``h`` (FP32, rows' shape, contiguous) is consumed."""
     if rows.dtype == torch.bfloat16 and stochastic_rounding and rows.is_contiguous() \
             and row_length == rows.shape[1]:  # one pass: its patterns in h, then stored
-        flat, words = rows.view(-1), h.view(-1)
+        # detached: a view of a trainable weight made under no_grad is no input torch.compile
+        # takes once the weight has been modified in place with grad mode on
+        flat, words = rows.detach().view(-1), h.view(-1)
         factor = torch.ones((), device=rows.device) if factor is None else factor
         run = _int32_loop(_update_words, rows.device)
         for start, length, keys in _segments(flat.numel(), offset, seed_words(seed)):
