@@ -434,7 +434,8 @@ def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
         for e in range(e_count):
             c = coefs[m, e]
             keep = c != 0
-            p_t = torch.where(keep, p.to(torch.float32), 0.0).t()
+            # one FP32 copy of P, zeroed in place where coef == 0 (a select, NaN and inf too)
+            p_t = p.to(torch.float32, copy=True).masked_fill_(~keep, 0.0).t()
             factor = None if decays is None else 1.0 - decays[m, e]
             for start in range(0, d, chunk_rows):
                 rows = w3[e, start:start + chunk_rows]
