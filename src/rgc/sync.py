@@ -248,14 +248,16 @@ def _group(payload: dict) -> dict[str, dict[str, torch.Tensor]]:
     return entries
 
 
-def _scalar(entry, name, field, dtype) -> float | int:
-    t = entry[field]
+def payload_scalar(t: torch.Tensor, key: str, dtype: torch.dtype,
+                   error: type[Exception] = ValueError) -> float | int:
+    """The value of payload entry ``key`` (``t``): one ``dtype`` element, finite; else
+    ``error``."""
     if t.dtype != dtype or t.numel() != 1:
-        raise ValueError(f"payload entry {name}/{field} must be one {dtype} value, got "
-                         f"{t.dtype} of shape {tuple(t.shape)}")
+        raise error(f"payload entry {key} must be one {dtype} value, got {t.dtype} of shape "
+                    f"{tuple(t.shape)}")
     value = t.item()
     if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"payload entry {name}/{field} is not finite ({value})")
+        raise error(f"payload entry {key} is not finite ({value})")
     return value
 
 
@@ -289,8 +291,9 @@ def _check_entry(name: str, entry: dict, target: torch.Tensor) -> dict:
         plan["matrices"] = target.transpose(1, 2) if transposed else target
         plan.update({f: _coefficients(entry, name, f, count) for f in ("coef", "decay")})
     else:
-        plan.update({f: _scalar(entry, name, f, torch.float64) for f in ("coef", "decay")})
-    plan["seed"] = _scalar(entry, name, "seed", torch.int64)
+        plan.update({f: payload_scalar(entry[f], f"{name}/{f}", torch.float64)
+                     for f in ("coef", "decay")})
+    plan["seed"] = payload_scalar(entry["seed"], f"{name}/seed", torch.int64)
     options = entry["options"]
     if options.dtype != torch.int64 or tuple(options.shape) != (3,):
         raise ValueError(f"payload entry {name}/options must be int64 of shape (3,)")
@@ -329,8 +332,8 @@ def _check_entry(name: str, entry: dict, target: torch.Tensor) -> dict:
         plan["direction"] = direction
     if not bool(torch.isfinite(plan.get("factor", plan.get("direction"))).all()):
         raise ValueError(f"payload entry for {name!r} holds non-finite values")
-    plan["result"] = _scalar(entry, name, "result", torch.int64)
-    base = _scalar(entry, name, "base", torch.int64)
+    plan["result"] = payload_scalar(entry["result"], f"{name}/result", torch.int64)
+    base = payload_scalar(entry["base"], f"{name}/base", torch.int64)
     if fingerprint(target) != base:
         raise ValueError(
             f"the receiver's {name!r} is not the tensor this update was computed from "

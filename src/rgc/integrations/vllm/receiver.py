@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from rgc.integrations.vllm.layout import Piece, locate, piece_fingerprint
 from rgc.projection import PROJECTION_KINDS, make_projection
-from rgc.sync import _DTYPES, check_payload_header
+from rgc.sync import _DTYPES, check_payload_header, payload_scalar
 from rgc.updates import apply_dense_update_, apply_lowrank_update_
 
 _FIELDS = {"lowrank": {"factor", "coef", "decay", "seed", "projection", "options", "base",
@@ -65,14 +65,7 @@ class Entry:
 
 
 def _scalar(payload, key, dtype):
-    t = payload[key]
-    if t.dtype != dtype or t.numel() != 1:
-        raise PayloadError(f"payload entry {key} must be one {dtype} value, got {t.dtype} of "
-                           f"shape {tuple(t.shape)}")
-    value = t.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        raise PayloadError(f"payload entry {key} is not finite ({value})")
-    return value
+    return payload_scalar(payload[key], key, dtype, PayloadError)
 
 
 def _ints(payload, key, n) -> list[int]:
