@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from benchmarks.common import write_results  # noqa: E402
 from rgc import CompressedLinear, RGCOptimizer  # noqa: E402
+from rgc.updates import default_chunk_rows  # noqa: E402
 
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
 clock = CLOCKS["cpu"]
@@ -86,8 +87,9 @@ def build_refresh_only(shapes, rank: int, seed: int = 0):
     return step
 
 
-def build_rebuild_only(shapes, rank: int, chunk_rows: int = 128):
-    """Only the FP32 GEMMs that rebuild H chunk by chunk: the floor of any CPU RGC step."""
+def build_rebuild_only(shapes, rank: int):
+    """Only the FP32 GEMMs that rebuild H chunk by chunk (the optimizer's default chunks): the
+    floor of any CPU RGC step."""
     mats = [(torch.randn(d, k).to(torch.bfloat16), torch.randn(d, rank),
              torch.randn(k, rank).to(torch.bfloat16)) for _, d, k in shapes]
 
@@ -95,6 +97,7 @@ def build_rebuild_only(shapes, rank: int, chunk_rows: int = 128):
         t = clock()
         for w, c, p in mats:
             p_t = p.to(torch.float32).t()
+            chunk_rows = default_chunk_rows(w.shape[1])
             for start in range(0, w.shape[0], chunk_rows):
                 torch.addmm(w[start:start + chunk_rows].to(torch.float32),
                             c[start:start + chunk_rows], p_t, alpha=-1e-3)

@@ -58,6 +58,7 @@ import torch.nn as nn
 
 from rgc.experts import expert_weight_names
 from rgc.nn import DEFAULT_TARGETS
+from rgc.updates import default_chunk_rows
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 #: Mixture-of-experts model types, read through a ``meta``-device build with transformers.
@@ -503,11 +504,12 @@ def _refresh_temp(k: int, r: int, weight_itemsize: int = 2, implementation: str 
     return max(generating, factoring)
 
 
-def _update_temp(d: int, k: int, r: int, chunk_rows: int, implementation: str) -> int:
+def _update_temp(d: int, k: int, r: int, chunk_rows: int | None, implementation: str) -> int:
     # an FP32 copy of P plus the chunk of H and the scaled chunk of C (none on the Triton kernel)
     if implementation == "triton":
         return 4 * k * r
-    return 4 * k * r + min(chunk_rows, d) * (k * UPDATE_BYTES_PER_CHUNK_ELEMENT + 4 * r)
+    rows = min(chunk_rows or default_chunk_rows(k), d)
+    return 4 * k * r + rows * (k * UPDATE_BYTES_PER_CHUNK_ELEMENT + 4 * r)
 
 
 def _norm_temp(d: int, k: int, r: int) -> int:
@@ -515,7 +517,7 @@ def _norm_temp(d: int, k: int, r: int) -> int:
     return 4 * k * r + 4 * d * r + 4 * r * r
 
 
-def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
+def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None = None,
                          implementation: str = "torch", weight_itemsize: int = 2,
                          experts: int = 1) -> int:
     """Largest transient of one RGCOptimizer update of a d x k weight at rank r, in bytes.
@@ -533,7 +535,7 @@ def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
         _refresh_temp(k, r, weight_itemsize, implementation))
 
 
-def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int = 128,
+def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None = None,
                              implementation: str = "torch", weight_itemsize: int = 2,
                              experts: int = 1, old_projections: int | None = None) -> int:
     """Largest transient of one RowAdam update of a d x k weight at rank r, in bytes.
@@ -799,7 +801,7 @@ def _fsdp_gathered(spec: ModelSpec) -> int:
 def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
                     targets: Iterable[str] | Callable | None = None, batch: int | None = None,
                     seq_len: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                    chunk_rows: int = 128, implementation: str = "torch",
+                    chunk_rows: int | None = None, implementation: str = "torch",
                     compute_dtype: torch.dtype | None = None,
                     fsdp: int = 1) -> MemoryEstimate:
     """Predict the memory of one training step of ``method`` on a model.
@@ -820,7 +822,8 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
         batch, seq_len: give both to include saved activations (Llama-style models,
             Qwen3-MoE and Mixtral).
         dtype: the weights' dtype when reading a config (a module's own dtypes are used).
-        chunk_rows: rows of H rebuilt at once by the reference RGC step.
+        chunk_rows: rows of H rebuilt at once by the reference RGC step (``None``: the
+            optimizers' default, :func:`rgc.updates.default_chunk_rows`).
         implementation: 'torch' (reference step, chunk temporaries; bitsandbytes' CPU step)
             or 'triton' (GPU kernels: rgc's fused kernel stores no chunk of H, bitsandbytes'
             CUDA kernel updates in place).

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 import warnings
 
 import torch
@@ -80,44 +81,85 @@ def _update_words(w: torch.Tensor, h: torch.Tensor, factor: torch.Tensor,
     h.view(torch.int32).copy_(torch.where(nan, (bits >> 16) | 0x40, (noise + bits) >> 16))
 
 
-def _sq_sum_words(w3: torch.Tensor) -> torch.Tensor:
-    """``sum(float32(w3[e])^2)`` per matrix of a stack ``[E, d, k]`` (any strides, any float
-    dtype): ``[E]`` FP32, each reduction one loop over the matrix without an FP32 copy."""
-    v = w3.to(torch.float32)
-    return (v * v).sum(dim=(1, 2))
+def _sq_sum_words(w2: torch.Tensor) -> torch.Tensor:
+    """``sum(float32(w2[e])^2)`` per row of ``[E, n]`` (rows contiguous, any float dtype):
+    ``[E]`` FP32, each row one compiled reduction without an FP32 copy."""
+    v = w2.to(torch.float32)
+    return (v * v).sum(dim=1)
+
+
+#: Elements of W an eager norm converts to FP32 at once.
+_EAGER_NORM_ELEMENTS = 1 << 16
+
+
+def _sq_sum_chunks(w: torch.Tensor) -> torch.Tensor:
+    """:func:`_sq_sum_words` of ``[E, n]`` or ``[E, d, k]`` (any strides) in eager torch, an
+    FP32 copy of one block of rows at a time (a sum of block sums: an order of its own)."""
+    rows = max(1, _EAGER_NORM_ELEMENTS // max(1, math.prod(w.shape[2:])))
+    out = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
+    dims = tuple(range(1, w.dim()))
+    for start in range(0, w.shape[1], rows):
+        v = w[:, start:start + rows].to(torch.float32)
+        out += (v * v).sum(dim=dims)
+    return out
+
+
+def _variant(args) -> tuple:
+    """What a compiled loop's graph is specialised on besides sizes: dtypes, ranks, sizes of
+    1 and contiguity of the tensor arguments."""
+    return tuple((a.dtype, a.dim(), tuple(n == 1 for n in a.shape), a.is_contiguous())
+                 if isinstance(a, torch.Tensor) else type(a) for a in args)
 
 
 @functools.cache
-def _compiled(fn):
-    """``fn`` compiled for the CPU (one vectorised loop), or ``fn`` itself where torch.compile
-    cannot run here (~15x slower; the same bits, but for the reduction of
-    :func:`_sq_sum_words`, whose order is the compiled loop's: a process uses one or the
-    other for every norm).
+def _compiled(fn, eager=None):
+    """``fn`` compiled for the CPU (one vectorised loop), or where torch.compile cannot run
+    here ``eager`` (default ``fn`` itself: ~15x slower, the same bits, but for the norm's
+    reduction, whose order is the compiled loop's: a process uses one or the other for every
+    norm).
+
+    Each :func:`_variant` of the arguments is compiled from a code object of its own, so no
+    call recompiles a graph: sizes are symbolic within a variant, and a user's dynamo settings
+    (``error_on_recompile``, a low ``recompile_limit``) or a test's many shapes never push a
+    loop onto the eager path halfway through a process.
 
     Under a dispatch mode (rgc's memory tracker, the tests' counters), which torch.compile
     does not trace, the loop runs with the modes switched off: one opaque computation that
     writes its output and allocates nothing seen, with the bits it has outside the mode. With
-    dynamo disabled (``TORCHDYNAMO_DISABLE=1``) ``fn`` runs eagerly: the compiled wrapper
-    would run it eagerly and only then raise (fullgraph found no frame), and as ``fn`` writes
-    in place a second, fallback run would apply it twice.
+    dynamo disabled (``TORCHDYNAMO_DISABLE=1``) the eager function runs: the compiled wrapper
+    would run ``fn`` eagerly and only then raise (fullgraph found no frame), and as ``fn``
+    writes in place a second, fallback run would apply it twice.
     """
-    # One thread: the loop is short (a chunk of 128 rows), and an OpenMP pool of its own beside
-    # torch's made the next LAPACK call wait ~10 ms for the other pool's spinning threads.
-    compiled = torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.threads": 1})
+    eager = fn if eager is None else eager
+    variants: dict[tuple, object] = {}
+    failed = False
+
+    def compiled(args):
+        # detached: no view keeps its base, whose sizes dynamo would guard on too
+        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        key = _variant(args)
+        if key not in variants:
+            code = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                                      fn.__defaults__, fn.__closure__)
+            # One thread: the loop is short (a chunk of rows), and an OpenMP pool of its own
+            # beside torch's made the next LAPACK call wait ~10 ms for its spinning threads.
+            variants[key] = torch.compile(code, dynamic=True, fullgraph=True,
+                                          options={"cpp.threads": 1})
+        return variants[key](*args)
 
     def run(*args):
-        nonlocal compiled
+        nonlocal failed
         if _python_dispatch._get_current_dispatch_mode() is not None:
             with _python_dispatch._disable_current_modes():
                 return run(*args)
-        if compiled is not fn and not torch._dynamo.config.disable:
+        if not failed and not torch._dynamo.config.disable:
             try:
-                return compiled(*args)
+                return compiled(args)
             except Exception as exc:  # no C++ compiler, unsupported platform
                 warnings.warn(f"rgc: torch.compile of a CPU loop failed ({exc!s:.200}); using "
                               "eager torch ops (slower)", RuntimeWarning, stacklevel=2)
-                compiled = fn
-        return fn(*args)
+                failed = True
+        return eager(*args)
     return run
 
 
@@ -188,56 +230,64 @@ BOX_MULLER_CONSTANTS: dict[str, float] = {
 BM = {name: float(torch.tensor(v, dtype=torch.float32)) for name, v in
       BOX_MULLER_CONSTANTS.items()}
 SQRT2_BITS = int(torch.tensor(BM["SQRT2"], dtype=torch.float32).view(torch.int32))
+# The same constants in one FP32 tensor, as the loops read them: a compiled loop takes each
+# Python float as an input of its own, converted to a tensor at every call (~4 us each).
+_BM_NAMES = list(BM)
+_BM_VALUES = torch.tensor([BM[name] for name in _BM_NAMES], dtype=torch.float32)
+
+
+def _bm(name: str) -> torch.Tensor:
+    """Box-Muller constant ``name`` as a 0-dim FP32 tensor (the float32 value of :data:`BM`)."""
+    return _BM_VALUES[_BM_NAMES.index(name)]
 
 
 def _polynomial(x: torch.Tensor, names: list[str]) -> torch.Tensor:
     """``((c0 x + c1) x + ...) x + 1`` in float32, one rounding per operation."""
-    p = torch.full_like(x, BM[names[0]])
+    p = x * _bm(names[0])
     for name in names[1:]:
-        p.mul_(x).add_(BM[name])
-    return p.mul_(x).add_(1.0)
+        p = (p + _bm(name)) * x
+    return p + 1.0
 
 
 def _rho(w0: torch.Tensor) -> torch.Tensor:
     """``sqrt(-2 ln u)`` for ``u = (w0 + 1) 2^-24`` (w0: 24-bit int32)."""
-    # u = 2^(e - 24) f with f in [sqrt(1/2), sqrt(2)): exponent and mantissa as integers
-    nb = (w0 + 1).to(torch.float32).view(torch.int32)
-    big = (nb & 0x007FFFFF).bitwise_or_(0x3F800000).gt_(SQRT2_BITS).to(torch.int32)
-    f = (nb & 0x007FFFFF).bitwise_or_(0x3F800000).sub_(big << 23).view(torch.float32)
-    e = nb.bitwise_right_shift_(23).sub_(127 + 24).add_(big).to(torch.float32)
-    del nb, big
-    s = (f - 1.0).div_(f.add_(1.0))  # (f - 1) / (f + 1)
-    del f
-    ln_u = e.mul_(BM["LN2"]).add_((s * 2.0).mul_(_polynomial(s.square(), ["L4", "L3", "L2",
-                                                                      "L1"])))
+    # u = 2^(e - 24) f with f in [sqrt(1/2), sqrt(2)), by exact integer and power-of-two steps
+    # (no float/int reinterpretation, which the compiled CPU loop would route through memory)
+    x = w0 + 1
+    e = torch.zeros_like(x)  # floor(log2 x), x < 2^25: a binary search on the bits
+    t = x
+    for step in (16, 8, 4, 2, 1):
+        above = (t >> step) > 0
+        e = e + above.to(torch.int32) * step
+        t = torch.where(above, t >> step, t)
+    f = x.to(torch.float32) / (1 << e).to(torch.float32)  # in [1, 2), exact
+    big = f > _bm("SQRT2")
+    f = torch.where(big, f * 0.5, f)
+    e = (e + big.to(torch.int32) - 24).to(torch.float32)
+    s = (f - 1.0) / (f + 1.0)
+    ln_u = e * _bm("LN2") + (s * 2.0) * _polynomial(s * s, ["L4", "L3", "L2", "L1"])
     # torch's float32 sqrt is not correctly rounded on the CPU (15% of values differ by one
     # unit); the float64 square root rounded to float32 is (53 >= 2 * 24 + 2 bits).
-    return ln_u.mul_(-2.0).double().sqrt_().to(torch.float32)
+    return (ln_u * -2.0).double().sqrt().to(torch.float32)
 
 
 def _polar(rho: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rho cos(theta), rho sin(theta))`` for ``theta = 2 pi w1 2^-24`` (w1: 24-bit int32).
 
     The quadrant ``q = w1 >> 22`` picks ``cos = (cs, -sn, -cs, sn)[q]``,
-    ``sin = (sn, cs, -sn, -cs)[q]`` of the polynomials on ``[0, pi/2)``. The choice and the
-    signs are bit operations on the patterns (exact; ``torch.where`` on floats is slow on the
-    CPU); arithmetic is in place where that changes no bit.
+    ``sin = (sn, cs, -sn, -cs)[q]`` of the polynomials on ``[0, pi/2)``: selects and
+    negations, both exact.
     """
-    x = (w1 & 0x3FFFFF).to(torch.float32).mul_(BM["XSTEP"])
+    x = (w1 & 0x3FFFFF).to(torch.float32) * _bm("XSTEP")
     y = x * x
-    sn = _polynomial(y, ["S6", "S5", "S4", "S3", "S2", "S1"]).mul_(x)
-    del x
+    sn = _polynomial(y, ["S6", "S5", "S4", "S3", "S2", "S1"]) * x
     cs = _polynomial(y, ["C7", "C6", "C5", "C4", "C3", "C2", "C1"])
-    del y
     q = w1 >> 22
-    sn_bits, cs_bits = sn.view(torch.int32), cs.view(torch.int32)
-    swap = (cs_bits ^ sn_bits).bitwise_and_((q & 1).neg_())  # odd quadrants swap the two
-    cs_bits ^= swap
-    sn_bits ^= swap
-    del swap
-    cs_bits ^= (q ^ (q >> 1)).bitwise_and_(1).bitwise_left_shift_(31)  # - for q = 1, 2
-    sn_bits ^= q.bitwise_right_shift_(1).bitwise_left_shift_(31)  # - for q = 2, 3
-    return cs.mul_(rho), sn.mul_(rho)
+    odd = (q & 1) == 1  # odd quadrants swap the two
+    cos, sin = torch.where(odd, sn, cs), torch.where(odd, cs, sn)
+    cos = torch.where(((q ^ (q >> 1)) & 1) == 1, -cos, cos)  # - for q = 1, 2
+    sin = torch.where(q >= 2, -sin, sin)  # - for q = 2, 3
+    return cos * rho, sin * rho
 
 
 def _gaussian_block(cos_out: torch.Tensor, sin_out: torch.Tensor, keys: torch.Tensor) -> None:
@@ -376,8 +426,18 @@ def _scaled_inverse_cholesky(gram: torch.Tensor, scale: float) -> torch.Tensor:
 def _sq_sums(w3: torch.Tensor) -> torch.Tensor:
     """``||W_e||_F^2`` of a stack ``[E, d, k]``, ``[E]`` FP32: the one reduction of
     :func:`sum_squares` and of :func:`lowrank_update_`'s norms, so a recomputed norm has the
-    update's bits."""
-    return _int32_loop(_sq_sum_words, w3.device)(w3.detach())
+    update's bits. A matrix dense in memory (row- or column-major) is reduced in storage order
+    by the compiled loop on the CPU; others (a column slice of a wider matrix) by eager blocks
+    of rows."""
+    w3 = w3.detach()
+    e, d, k = w3.shape
+    se, sd, sk = w3.stride()
+    if w3.numel() and (sk == 1 and (sd == k or d == 1) or sd == 1 and (sk == d or k == 1)):
+        flat = w3.as_strided((e, d * k), (se if e > 1 else d * k, 1))
+        if w3.device.type == "cpu":
+            return _compiled(_sq_sum_words, _sq_sum_chunks)(flat)
+        return _sq_sum_chunks(flat)
+    return _sq_sum_chunks(w3)
 
 
 def _write_rows(rows: torch.Tensor, h: torch.Tensor, factor: torch.Tensor | None, *,
@@ -474,18 +534,16 @@ def sketch_stats(sketches: list[torch.Tensor], projections: list[torch.Tensor]
     if not sketches:
         empty = torch.zeros(0, 0)
         return empty, empty.bool()
-    device = sketches[0].device
-    e_count = sketches[0].shape[0]
-    h2 = torch.zeros(len(sketches), e_count, dtype=torch.float32, device=device)
-    finite = torch.zeros(len(sketches), e_count, dtype=torch.bool, device=device)
-    for m, (c3, p) in enumerate(zip(sketches, projections, strict=True)):
+    h2, finite = [], []
+    for c3, p in zip(sketches, projections, strict=True):
         p32 = p.to(torch.float32)
         gram = p32.t() @ p32
-        for e in range(c3.shape[0]):
-            c = c3[e]
-            h2[m, e] = (c @ gram).mul_(c).sum().clamp_min(0)
-            finite[m, e] = torch.isfinite(c).all()
-    return h2, finite
+        # 0 x is NaN exactly where x is inf or NaN, and a sum of zeros cannot overflow
+        stats = [((c @ gram).mul_(c).sum().clamp_min(0), c.mul(0.0).sum()) for c in c3]
+        h2.append(torch.stack([h for h, _ in stats]) if stats else c3.new_zeros(0))
+        finite.append(torch.isfinite(torch.stack([z for _, z in stats]) if stats
+                                     else c3.new_zeros(0)))
+    return torch.stack(h2), torch.stack(finite)
 
 
 # -- RowAdam's moments ----------------------------------------------------------------------

@@ -30,7 +30,7 @@ from rgc.projection import advance_projections
 from rgc.registry import sketched_owner_of
 from rgc.seeding import derive_seed
 from rgc.sync import build_payload, fingerprint_tensor
-from rgc.updates import DenseUpdate, LowRankUpdate, StackUpdate, to_host
+from rgc.updates import DenseUpdate, LowRankUpdate, StackUpdate, default_chunk_rows, to_host
 
 __all__ = ["DenseUpdate", "Entry", "LowRankUpdate", "Partials", "SketchOptimizer",
            "StackUpdate", "check_common_args", "rounding_seed"]
@@ -113,11 +113,16 @@ def group_lr(group: dict, device: torch.device) -> float | torch.Tensor:
     return lr
 
 
+def chunk_rows_of(group: dict, k: int) -> int:
+    """The group's ``chunk_rows`` for weights of row length ``k`` (``None``: the default)."""
+    return group["chunk_rows"] or default_chunk_rows(k)
+
+
 def check_common_args(lr, chunk_rows, seed) -> None:
-    """ValueError for a bad ``lr``, ``chunk_rows`` or ``seed``."""
+    """ValueError for a bad ``lr``, ``chunk_rows`` (None or an int >= 1) or ``seed``."""
     check_lr(lr)
-    if not isinstance(chunk_rows, int) or chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be an integer >= 1, got {chunk_rows!r}")
+    if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
+        raise ValueError(f"chunk_rows must be None or an integer >= 1, got {chunk_rows!r}")
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
 
@@ -301,7 +306,8 @@ class SketchOptimizer(Optimizer):
                       sq_norms=None) -> StackUpdate:
         """The :class:`StackUpdate` of ``entries`` with the given ``[M, E]`` coefficients."""
         return StackUpdate([e.param for e in entries], [e.owner for e in entries], factors,
-                           coefs, decays, [e.seed for e in entries], group["chunk_rows"],
+                           coefs, decays, [e.seed for e in entries],
+                           chunk_rows_of(group, entries[0].owner.weight_matrices().shape[2]),
                            group["stochastic_rounding"], active, sq_norms,
                            offsets=[e.offset for e in entries], extra={"entries": entries})
 
@@ -366,8 +372,9 @@ class SketchOptimizer(Optimizer):
             else:
                 rows.append(cached.reshape(-1))
         if stale:
-            fresh = ops.sum_squares([entries[i].owner.weight_matrices() for i in stale],
-                                    chunk_rows)
+            weights = [entries[i].owner.weight_matrices() for i in stale]
+            fresh = ops.sum_squares(weights,
+                                    chunk_rows or default_chunk_rows(weights[0].shape[2]))
             for j, i in enumerate(stale):
                 rows[i] = fresh[j]
         return torch.stack(rows)

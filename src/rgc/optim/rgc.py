@@ -81,7 +81,8 @@ class RGCOptimizer(SketchOptimizer):
             or a 0-dim tensor (used on the device, never read on the host, so a scheduler may
             fill it in place). Default 1e-3, torch.optim's default, for param groups that set
             their own.
-        chunk_rows: rows of H rebuilt at once on the reference path (memory: chunk_rows x k FP32).
+        chunk_rows: rows of H rebuilt at once on the reference path (memory: chunk_rows x k
+            FP32); ``None`` (default): ``max(128, 2^18 // k)``, at least 128 rows and 1 MiB.
         stochastic_rounding: round BF16 weights stochastically (default) or to nearest.
         seed: key of the rounding bits.
         step_control: e.g. :class:`rgc.PredictedKL`; scales each step's updates by one alpha.
@@ -106,7 +107,7 @@ class RGCOptimizer(SketchOptimizer):
     ``step()``: a forward run before a step and backpropagated after it raises.
     """
 
-    def __init__(self, params, lr: float | torch.Tensor = 1e-3, *, chunk_rows: int = 128,
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, *, chunk_rows: int | None = None,
                  stochastic_rounding: bool = True, seed: int = 0, step_control=None,
                  keep_updates: bool = False, maximize: bool = False,
                  expert_norm: str = "expert"):

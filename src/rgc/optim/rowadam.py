@@ -83,7 +83,8 @@ class RowAdam(SketchOptimizer):
             the host).
             Default 1e-3, as ``torch.optim.Adam``.
         betas, eps, weight_decay: as ``torch.optim.AdamW``.
-        chunk_rows: rows of ``U P^T`` rebuilt at once on the reference path.
+        chunk_rows: rows of ``U P^T`` rebuilt at once on the reference path; ``None``
+            (default): ``max(128, 2^18 // k)``, as :class:`rgc.RGCOptimizer`.
         stochastic_rounding: round BF16 weights stochastically (default) or to nearest.
         seed: key of the rounding bits.
         step_control: e.g. :class:`rgc.PredictedKL`; scales each step's updates by one alpha.
@@ -102,7 +103,7 @@ class RowAdam(SketchOptimizer):
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, *,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, chunk_rows: int = 128,
+                 weight_decay: float = 0.0, chunk_rows: int | None = None,
                  stochastic_rounding: bool = True, seed: int = 0, step_control=None,
                  keep_updates: bool = False, maximize: bool = False):
         check_common_args(lr, chunk_rows, seed)
