@@ -3,6 +3,8 @@ float64 oracles."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -106,3 +108,47 @@ def test_sq_norm_out_is_deterministic_and_equals_sum_squares_of_the_result(dtype
     assert torch.equal(_bits(outs[0]), _bits(sum_squares_reference(results[0], chunk_rows=64)))
     expected = results[0].double().square().sum()
     assert abs(float(outs[0]) / float(expected) - 1) < 1e-5
+
+
+def _stacks():
+    """Weights of many layouts: sizes of 1, equal sizes, stacks, transposed and sliced."""
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for e, d, k in [(1, 1, 1), (1, 1, 9), (1, 9, 1), (1, 7, 7), (1, 30, 20), (3, 5, 5),
+                    (2, 1, 4), (4, 16, 8)]:
+        for dtype in (torch.bfloat16, torch.float32):
+            out.append(torch.randn(e, d, k, generator=g).to(dtype))
+    out.append(torch.randn(2, 12, 6, generator=g).bfloat16().transpose(1, 2))
+    out.append(torch.randn(1, 10, 30, generator=g).bfloat16()[:, :, 4:19])
+    return out
+
+
+def test_cpu_norm_keeps_its_bits_whatever_shapes_and_dynamo_settings_come_before():
+    """The compiled CPU loops never recompile (one code object per argument variant): neither a
+    user's error_on_recompile nor more layouts than dynamo's recompile limit sends the norm to
+    the eager path, whose order differs."""
+    from rgc.ops import reference
+
+    first = torch.randn(1, 48, 40, generator=torch.Generator().manual_seed(2)).bfloat16()
+    before = reference.sum_squares([first], 128)
+    with torch._dynamo.config.patch(error_on_recompile=True, recompile_limit=2), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for w in _stacks():
+            got = reference.sum_squares([w], 128)[0]
+            want = w.double().square().sum(dim=(1, 2))
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
+        after = reference.sum_squares([first], 128)
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert torch.equal(before.view(torch.int32), after.view(torch.int32))
+
+
+def test_eager_cpu_norm_converts_one_block_of_rows_at_a_time():
+    """Where torch.compile cannot run, the norm takes no FP32 copy of the whole weight."""
+    from rgc.memory import track
+
+    w = torch.randn(1, 512, 1024, generator=torch.Generator().manual_seed(5)).bfloat16()
+    with torch._dynamo.config.patch(disable=True), track() as t:
+        got = sum_squares_reference(w[0])
+    torch.testing.assert_close(got.double(), w.double().square().sum(), rtol=1e-5, atol=0)
+    assert t.peak <= 2 * 4 * (1 << 16) + 1024  # two FP32 blocks of 2^16 elements at most
