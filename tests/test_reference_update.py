@@ -144,11 +144,17 @@ def test_cpu_norm_keeps_its_bits_whatever_shapes_and_dynamo_settings_come_before
 
 
 def test_eager_cpu_norm_converts_one_block_of_rows_at_a_time():
-    """Where torch.compile cannot run, the norm takes no FP32 copy of the whole weight."""
+    """Where torch.compile cannot run, the norm is the eager reduction by blocks of rows, which
+    takes no FP32 copy of the whole weight (the tracker sees inside it when called directly;
+    the op runs its loops with dispatch modes off)."""
     from rgc.memory import track
+    from rgc.ops import reference
 
     w = torch.randn(1, 512, 1024, generator=torch.Generator().manual_seed(5)).bfloat16()
-    with torch._dynamo.config.patch(disable=True), track() as t:
+    with torch._dynamo.config.patch(disable=True):
         got = sum_squares_reference(w[0])
+    with track() as t:
+        blocks = reference._sq_sum_chunks(w.view(1, -1))
+    assert torch.equal(got.view(torch.int32), blocks[0].view(torch.int32))
     torch.testing.assert_close(got.double(), w.double().square().sum(), rtol=1e-5, atol=0)
     assert t.peak <= 2 * 4 * (1 << 16) + 1024  # two FP32 blocks of 2^16 elements at most
