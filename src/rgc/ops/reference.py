@@ -106,9 +106,12 @@ def _sq_sum_chunks(w: torch.Tensor) -> torch.Tensor:
 
 def _variant(args) -> tuple:
     """What a compiled loop's graph is specialised on besides sizes: dtypes, ranks, sizes of
-    1 and contiguity of the tensor arguments."""
-    return tuple((a.dtype, a.dim(), tuple(n == 1 for n in a.shape), a.is_contiguous())
-                 if isinstance(a, torch.Tensor) else type(a) for a in args)
+    1, contiguity and inference-mode creation of the tensor arguments, and the thread's
+    dispatch keys (an operator's kernel runs below autograd, a direct call does not)."""
+    return (torch._C._dispatch_tls_local_include_set().raw_repr(),
+            torch._C._dispatch_tls_local_exclude_set().raw_repr(),
+            *((a.dtype, a.dim(), tuple(n == 1 for n in a.shape), a.is_contiguous(),
+               a.is_inference()) if isinstance(a, torch.Tensor) else type(a) for a in args))
 
 
 @functools.cache
@@ -252,7 +255,6 @@ def _polynomial(x: torch.Tensor, names: list[str]) -> torch.Tensor:
 def _rho(w0: torch.Tensor) -> torch.Tensor:
     """``sqrt(-2 ln u)`` for ``u = (w0 + 1) 2^-24`` (w0: 24-bit int32)."""
     # u = 2^(e - 24) f with f in [sqrt(1/2), sqrt(2)), by exact integer and power-of-two steps
-    # (no float/int reinterpretation, which the compiled CPU loop would route through memory)
     x = w0 + 1
     e = torch.zeros_like(x)  # floor(log2 x), x < 2^25: a binary search on the bits
     t = x
@@ -312,8 +314,8 @@ def box_muller(w0: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.
     return _polar(_rho(w0), w1)
 
 
-#: Box-Muller pairs computed at once: the temporaries of the eager path (29 bytes per pair,
-#: measured) stay below 1 MiB whatever k and r; the compiled loop has none.
+#: Box-Muller pairs computed at once: the temporaries of the eager path (62 bytes per pair,
+#: measured) stay about 2 MiB whatever k and r; the compiled loop has none.
 GAUSSIAN_BLOCK = 1 << 15
 
 
@@ -529,7 +531,8 @@ def sketch_stats(sketches: list[torch.Tensor], projections: list[torch.Tensor]
     """``(||C_e P^T||_F^2, all(isfinite(C_e)))`` per matrix, ``[M, E]`` FP32 and bool.
 
     ``||C P^T||_F^2 = trace(C (P^T P) C^T)`` from the r x r Gram (no k-sized temporary),
-    clamped at 0; sketches[m]: ``[E, d, r]`` FP32, projections[m]: ``[k, r]``.
+    clamped at 0; finite where ``sum(0 C)`` is (``0 x`` is NaN exactly where x is not finite);
+    sketches[m]: ``[E, d, r]`` FP32, projections[m]: ``[k, r]``.
     """
     if not sketches:
         empty = torch.zeros(0, 0)
@@ -538,7 +541,7 @@ def sketch_stats(sketches: list[torch.Tensor], projections: list[torch.Tensor]
     for c3, p in zip(sketches, projections, strict=True):
         p32 = p.to(torch.float32)
         gram = p32.t() @ p32
-        # 0 x is NaN exactly where x is inf or NaN, and a sum of zeros cannot overflow
+        # a sum of zeros cannot overflow: sum(0 C) is finite exactly when C is
         stats = [((c @ gram).mul_(c).sum().clamp_min(0), c.mul(0.0).sum()) for c in c3]
         h2.append(torch.stack([h for h, _ in stats]) if stats else c3.new_zeros(0))
         finite.append(torch.isfinite(torch.stack([z for _, z in stats]) if stats
