@@ -138,7 +138,9 @@ def _compiled(fn, eager=None):
     failed = False
 
     def compiled(args):
-        # detached: no view keeps its base, whose sizes dynamo would guard on too
+        # detached: no view keeps its base, whose sizes dynamo would guard on too, and a view of
+        # a trainable weight made under no_grad is no input torch.compile takes once the
+        # weight has been modified in place with grad mode on
         args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         key = _variant(args)
         if key not in variants:
@@ -449,9 +451,7 @@ def _write_rows(rows: torch.Tensor, h: torch.Tensor, factor: torch.Tensor | None
     others as ``copy_`` rounds. ``h`` (FP32, rows' shape, contiguous) is consumed."""
     if rows.dtype == torch.bfloat16 and stochastic_rounding and rows.is_contiguous() \
             and row_length == rows.shape[1]:  # one pass: its patterns in h, then stored
-        # detached: a view of a trainable weight made under no_grad is no input torch.compile
-        # takes once the weight has been modified in place with grad mode on
-        flat, words = rows.detach().view(-1), h.view(-1)
+        flat, words = rows.view(-1), h.view(-1)
         factor = torch.ones((), device=rows.device) if factor is None else factor
         run = _int32_loop(_update_words, rows.device)
         for start, length, keys in _segments(flat.numel(), offset, seed_words(seed)):
