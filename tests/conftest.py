@@ -1,3 +1,13 @@
+"""Suite-wide settings.
+
+The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup`` in pyproject.toml): a
+file whose tests share an expensive module fixture, or swap a module for the test's duration,
+is one ``xdist_group`` and stays on one worker. Each worker takes an equal share of the cores
+as torch intra-op threads (one on 2 cores): the tensors here are tiny, and on a loaded machine
+a descheduled OpenMP thread stalls every op (two files took 98 s on two threads, 26 s on one,
+the machine shared). Without xdist (``-n 0``) torch keeps its default.
+"""
+
 import os
 
 import pytest
@@ -9,7 +19,33 @@ settings.register_profile("dev", max_examples=10, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def _worker_threads() -> int | None:
+    """Intra-op threads for an xdist worker, ``None`` outside one."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is None:
+        return None
+    return max(1, (os.cpu_count() or 1) // int(workers))
+
+
+def pytest_configure(config):
+    threads = _worker_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+        # processes a test starts (examples, benchmarks) inherit the share
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _threads_restored():
+    """A test that changes torch's thread count gives it back: the next test on this worker
+    must not inherit it."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

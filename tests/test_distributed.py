@@ -39,7 +39,10 @@ from rgc.distributed import (
 from rgc.updates import apply_lowrank_update_
 from tests.test_step_sync import CountSyncs
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable"),
+    pytest.mark.xdist_group("distributed"),  # one worker spawns the runs every test reads
+]
 
 RANK = 4
 STEPS = 10
@@ -849,7 +852,8 @@ def test_example_runs_under_torchrun(tmp_path, recipe):
     args = (["--recipe", "logra", "--checkpoint", str(tmp_path / "ckpt")] if recipe
             else ["--recipe", "rgc"])
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        # --standalone: a free port for the rendezvous (another run may hold the default)
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(root / "examples" / "distributed.py"), "--steps", "2", *args],
         capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
