@@ -1,11 +1,12 @@
 """Suite-wide settings.
 
-The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup`` in pyproject.toml): a
-file whose tests share an expensive module fixture, or swap a module for the test's duration,
-is one ``xdist_group`` and stays on one worker. Each worker takes an equal share of the cores
-as torch intra-op threads (one on 2 cores): the tensors here are tiny, and on a loaded machine
-a descheduled OpenMP thread stalls every op (two files took 98 s on two threads, 26 s on one,
-the machine shared). Without xdist (``-n 0``) torch keeps its default.
+The suite runs on two pytest-xdist workers (``-n 2`` in pyproject.toml), test by test, except
+that each file of :data:`WHOLE_FILES` goes to one worker as a unit, before the rest.
+(``--dist loadgroup`` would say the same with marks, but pytest >= 9.2 drops the group that
+pytest-xdist 3.8 appends to the node ids, silently.) Each worker takes an equal share of the
+cores as torch intra-op threads (one on 2 cores): the tensors here are tiny, and on a loaded
+machine a descheduled OpenMP thread stalls every op (two files took 98 s on two threads, 26 s
+on one, the machine shared). Without xdist (``-n 0``) torch keeps its default.
 """
 
 import os
@@ -17,6 +18,27 @@ from hypothesis import settings
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=10, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+#: Files whose tests share a costly module fixture: the spawned distributed runs (11
+#: processes) and the ahead-of-time compilation of every kernel.
+WHOLE_FILES = ("tests/test_distributed.py", "tests/test_ops_aot.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "load":
+        return None  # another --dist: pytest-xdist's own
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WholeFilesFirst(LoadScopeScheduling):
+        """A unit per test, or per file of WHOLE_FILES; units of more tests go first."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path in WHOLE_FILES else nodeid
+
+    return WholeFilesFirst(config, log)
 
 
 def _worker_threads() -> int | None:

@@ -39,10 +39,7 @@ from rgc.distributed import (
 from rgc.updates import apply_lowrank_update_
 from tests.test_step_sync import CountSyncs
 
-pytestmark = [
-    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable"),
-    pytest.mark.xdist_group("distributed"),  # one worker spawns the runs every test reads
-]
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
 RANK = 4
 STEPS = 10

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.xdist_group("ops_aot")  # its module fixtures compile every kernel
 
 
 @pytest.fixture(scope="module")
