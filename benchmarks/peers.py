@@ -228,8 +228,10 @@ def timed_step(model, opt, ids) -> tuple[float, float, float]:
 def allocator_bytes(prof) -> tuple[int, int]:
     """(held before, peak during) the step marked ``MARK``, from the profiler's memory events.
 
-    Frees of blocks allocated before profiling began are not reported by the profiler, so
-    the running sum counts exactly what was allocated inside the profiled block.
+    Frees of blocks allocated before profiling began are not reported by the profiler, but
+    for blocks allocated under an earlier profiler (its size table keeps them): the running
+    sum counts what was allocated inside the profiled block once :func:`measure_memory` has
+    collected such garbage first.
     """
     events = prof.profiler.kineto_results.events()
     mark = next(e for e in events if e.name() == MARK)
@@ -253,6 +255,7 @@ def measure_memory(method: str, rank: int | None, numbers: dict, builder=None) -
     Returns ``held_bytes``, ``peak_bytes``, the ``model``, ``opt`` and ``ids`` (for more
     steps) and ``first_loss`` (the warm-up's, before any update).
     """
+    gc.collect()  # an earlier measurement's cycles, freed in this window, would count negative
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         ids = fixed_batch(numbers)
         model, opt = (builder or build_method)(method, rank, numbers)

@@ -1,3 +1,14 @@
+"""Suite-wide settings.
+
+The suite runs on two pytest-xdist workers (``-n 2`` in pyproject.toml), test by test, except
+that each file of :data:`WHOLE_FILES` goes to one worker as a unit, before the rest.
+(``--dist loadgroup`` would say the same with marks, but pytest >= 9.2 drops the group that
+pytest-xdist 3.8 appends to the node ids, silently.) Each worker takes an equal share of the
+cores as torch intra-op threads (one on 2 cores): the tensors here are tiny, and on a loaded
+machine a descheduled OpenMP thread stalls every op (two files took 98 s on two threads, 26 s
+on one, the machine shared). Without xdist (``-n 0``) torch keeps its default.
+"""
+
 import os
 
 import pytest
@@ -9,7 +20,54 @@ settings.register_profile("dev", max_examples=10, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+#: Files whose tests share a costly module fixture: the spawned distributed runs (11
+#: processes) and the ahead-of-time compilation of every kernel.
+WHOLE_FILES = ("tests/test_distributed.py", "tests/test_ops_aot.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "load":
+        return None  # another --dist: pytest-xdist's own
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WholeFilesFirst(LoadScopeScheduling):
+        """A unit per test, or per file of WHOLE_FILES; units of more tests go first."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path in WHOLE_FILES else nodeid
+
+    return WholeFilesFirst(config, log)
+
+
+def _worker_threads() -> int | None:
+    """Intra-op threads for an xdist worker, ``None`` outside one."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is None:
+        return None
+    return max(1, (os.cpu_count() or 1) // int(workers))
+
+
+def pytest_configure(config):
+    threads = _worker_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+        # processes a test starts (examples, benchmarks) inherit the share
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _threads_restored():
+    """A test that changes torch's thread count gives it back: the next test on this worker
+    must not inherit it."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

@@ -305,9 +305,9 @@ def test_allocator_peak_and_held_match_the_estimate(method):
     from benchmarks.memory import TARGETS, qwen3_config
     from benchmarks.peers import measure_memory
 
-    torch._dynamo.config.cache_size_limit = 64  # torchao compiles its step per shape
     rank = 8 if method in ("galore", "apollo") else None
-    got = measure_memory(method, rank, SMALL)
+    with torch._dynamo.config.patch(cache_size_limit=64):  # torchao compiles its step per shape
+        got = measure_memory(method, rank, SMALL)
     est = estimate_memory(qwen3_config(SMALL).to_dict(), method=method, rank=rank,
                           targets=TARGETS, batch=SMALL["batch"], seq_len=SMALL["seq_len"])
     transient = 0 if method == "adamw" else est.gradients  # freed by zero_grad
