@@ -46,7 +46,8 @@ def _worker_threads() -> int | None:
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers is None:
         return None
-    return max(1, (os.cpu_count() or 1) // int(workers))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // int(workers))
 
 
 def pytest_configure(config):
@@ -65,9 +66,9 @@ def _seed_everything():
 
 @pytest.fixture(autouse=True)
 def _threads_restored():
-    """A test that changes torch's thread count gives it back: the next test on this worker
-    must not inherit it."""
-    threads = torch.get_num_threads()
+    """In a worker, a test that changes torch's thread count gives the share back: the next
+    test there must not inherit it."""
     yield
-    if torch.get_num_threads() != threads:
+    threads = _worker_threads()
+    if threads is not None and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
