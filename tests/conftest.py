@@ -1,7 +1,8 @@
 """Suite-wide settings.
 
 The suite runs on two pytest-xdist workers (``-n 2`` in pyproject.toml), test by test, except
-that each file of :data:`WHOLE_FILES` goes to one worker as a unit, before the rest.
+that each file of :data:`WHOLE_FILES` goes to one worker as a unit, before the rest; then the
+tests marked ``slow``, so that the last ones are short and the workers finish together.
 (``--dist loadgroup`` would say the same with marks, but pytest >= 9.2 drops the group that
 pytest-xdist 3.8 appends to the node ids, silently.) Each worker takes an equal share of the
 cores as torch intra-op threads (one on 2 cores): the tensors here are tiny, and on a loaded
@@ -39,6 +40,11 @@ def pytest_xdist_make_scheduler(config, log):
             return path if path in WHOLE_FILES else nodeid
 
     return WholeFilesFirst(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if _worker_threads() is not None:  # every worker collects the same order
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def _worker_threads() -> int | None:
