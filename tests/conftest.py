@@ -21,8 +21,8 @@ settings.register_profile("dev", max_examples=10, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-#: Files whose tests share a costly module fixture: the spawned distributed runs (11
-#: processes) and the ahead-of-time compilation of every kernel.
+#: Files whose tests share a costly module fixture: the distributed runs (eight processes)
+#: and the ahead-of-time compilation of every kernel.
 WHOLE_FILES = ("tests/test_distributed.py", "tests/test_ops_aot.py")
 
 
