@@ -57,8 +57,9 @@ run() {  # run a step, remember the first failure, keep going
 
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
 torch.cuda.get_device_name(), 'CUDA', torch.version.cuda)" || exit 1
+# -o addopts: one process on the GPU, not pyproject's two pytest-xdist workers (nor needing them)
 run bash -c "set -o pipefail; '$PY' -m pytest tests/test_ops_gpu.py tests/test_ops_aot.py \
-  -q -p no:cacheprovider 2>&1 | tee '$OUT/gpu_check_tests.txt'"
+  -q -p no:cacheprovider -o addopts=-ra 2>&1 | tee '$OUT/gpu_check_tests.txt'"
 run "$PY" benchmarks/gpu_kernels.py --out "$OUT" ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
 run "$PY" benchmarks/gpu_kernels.py --step --config benchmarks/configs/qwen3-1.7b.json \
   --out "$OUT" ${STEP_ARGS[@]+"${STEP_ARGS[@]}"}

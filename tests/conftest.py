@@ -1,7 +1,8 @@
 """Suite-wide settings.
 
 The suite runs on two pytest-xdist workers (``-n 2`` in pyproject.toml), test by test, except
-that each file of :data:`WHOLE_FILES` goes to one worker as a unit, before the rest.
+that each file of :data:`WHOLE_FILES` goes to one worker as a unit, before the rest; then the
+tests marked ``slow``, so that the last ones are short and the workers finish together.
 (``--dist loadgroup`` would say the same with marks, but pytest >= 9.2 drops the group that
 pytest-xdist 3.8 appends to the node ids, silently.) Each worker takes an equal share of the
 cores as torch intra-op threads (one on 2 cores): the tensors here are tiny, and on a loaded
@@ -20,8 +21,8 @@ settings.register_profile("dev", max_examples=10, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-#: Files whose tests share a costly module fixture: the spawned distributed runs (11
-#: processes) and the ahead-of-time compilation of every kernel.
+#: Files whose tests share a costly module fixture: the distributed runs (eight processes)
+#: and the ahead-of-time compilation of every kernel.
 WHOLE_FILES = ("tests/test_distributed.py", "tests/test_ops_aot.py")
 
 
@@ -41,12 +42,18 @@ def pytest_xdist_make_scheduler(config, log):
     return WholeFilesFirst(config, log)
 
 
+def pytest_collection_modifyitems(config, items):
+    if _worker_threads() is not None:  # every worker collects the same order
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def _worker_threads() -> int | None:
     """Intra-op threads for an xdist worker, ``None`` outside one."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers is None:
         return None
-    return max(1, (os.cpu_count() or 1) // int(workers))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // int(workers))
 
 
 def pytest_configure(config):
@@ -65,9 +72,9 @@ def _seed_everything():
 
 @pytest.fixture(autouse=True)
 def _threads_restored():
-    """A test that changes torch's thread count gives it back: the next test on this worker
-    must not inherit it."""
-    threads = torch.get_num_threads()
+    """In a worker, a test that changes torch's thread count gives the share back: the next
+    test there must not inherit it."""
     yield
-    if torch.get_num_threads() != threads:
+    threads = _worker_threads()
+    if threads is not None and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)

@@ -3,7 +3,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+pytestmark = pytest.mark.slow  # each runs a benchmark, some in a fresh process
 
 
 def test_optimizer_step_benchmark_runs(tmp_path):
@@ -20,8 +23,6 @@ def test_step_model_counts():
     # The model's floor is 4 bytes per projection weight, counted here from the config by
     # hand; every phase costs bytes and launches; the update moves at least the floor.
     import json
-
-    import pytest
 
     from benchmarks import step_model
 
@@ -42,8 +43,6 @@ def test_step_model_counts():
 
 
 def test_gpu_experts_smoke_mode(tmp_path):
-    import pytest
-
     pytest.importorskip("transformers")
     from benchmarks import gpu_experts
 

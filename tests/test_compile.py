@@ -36,6 +36,7 @@ def train(model, ids, steps):
     return torch.stack(losses)
 
 
+@pytest.mark.slow
 def test_compiled_wrapped_model_matches_eager_without_breaks_or_recompiles():
     model = rgc.wrap(tiny_qwen3(num_hidden_layers=1), rank=4)
     gen = torch.Generator().manual_seed(3)

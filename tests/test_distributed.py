@@ -135,13 +135,19 @@ def _entry(fn, rank, world, out_dir, args):
         raise
 
 
+#: What the workers import, imported once by the server they are forked from (``spawn``
+#: imported it in each of the eight processes: about 1,000 modules and 4 s of CPU apiece).
+PRELOAD = [__name__, "tests.models", "torch.distributed.fsdp",
+           "torch.distributed.checkpoint.state_dict", "functorch.compile",
+           "transformers.models.qwen3_moe.modeling_qwen3_moe"]
+
+
 def _start_method():
-    """Forked from a server that imported torch, rgc and this module once (where the platform
-    has one): spawn imported them in each of the eleven processes, ~2.5 s of CPU apiece."""
+    """A forkserver where the platform has one (a name that fails to import is skipped)."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__, "tests.models"])  # before the server's first start
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect at the server's first start
     return ctx
 
 

@@ -247,6 +247,7 @@ def one_thread(iterable):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", rgc.PROJECTION_KINDS)
 def test_sketch_is_unbiased_per_expert_over_projection_seeds(kind):
     """Mean of C_e P^T over 2000 projection seeds converges to the dense G_e of every expert.

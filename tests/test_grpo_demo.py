@@ -30,6 +30,7 @@ def _demo_env() -> dict:
         [str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
 
 
+@pytest.mark.slow
 def test_quick_run_writes_table_plot_and_json(tmp_path):
     env = _demo_env()
     import rgc.compute
@@ -108,6 +109,7 @@ def test_quick_run_writes_table_plot_and_json(tmp_path):
         assert r2["train_peak_bytes"] == r1["train_peak_bytes"]
 
 
+@pytest.mark.slow
 def test_moe_quick_run_trains_attention_and_experts(tmp_path):
     """``--moe --quick``: a Qwen3-MoE policy through the whole pipeline. RGC and LoRA train the
     attention projections and the expert stacks, dense AdamW those and the embeddings, norms

@@ -652,6 +652,7 @@ def test_refresh_launches_do_not_grow_with_the_number_of_projections(kind, k, r,
     assert two.total == five.total, (two.names, five.names)
 
 
+@pytest.mark.slow
 def test_refresh_buffers_stay_within_the_chunk(monkeypatch):
     # No [M, k, r] float64 (nor G of all M) at once: buffers of at most the chunk's bytes.
     # (The interpreter leaves a launch's arguments in reference cycles; collected here after
@@ -727,6 +728,7 @@ def test_ops_trace_with_the_triton_kernels(monkeypatch):
 
 # ---------------------------------------------------------------------------- benchmarks
 
+@pytest.mark.slow
 def test_gpu_benchmark_smoke_mode(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks import gpu_kernels

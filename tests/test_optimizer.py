@@ -19,6 +19,7 @@ def rebuild_h(sketch, projection, chunk_rows=128):
     return h
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", rgc.PROJECTION_KINDS)
 def test_rebuilt_h_is_unbiased_over_projection_seeds(kind):
     # Mean of H over 3000 projections converges to G = D^T X. The relative error of the mean

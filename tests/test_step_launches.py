@@ -16,6 +16,7 @@ from tests.launches import CountLaunches
 from tests.models import TinyBlockLM
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.slow  # whole models' steps in Triton's interpreter
 
 
 @pytest.fixture(scope="module", autouse=True)
