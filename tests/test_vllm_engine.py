@@ -159,3 +159,22 @@ def test_refused_payloads_leave_the_engine_unchanged(setup):
     train_step(model, opt, 4)
     push_update(llm, opt.export_update(model))
     assert_engine_equals(llm, model, "after the resync and step 4")
+
+
+
+def test_cpu_loops_compile_beside_vllm():
+    """With vLLM imported, rgc's compiled CPU loops still compile (a loop given one tensor twice
+    once fell back to eager ops here when its arguments were detached one by one), and round
+    as the int64 statement of the rule does: add the low 16 hash bits, keep the upper half."""
+    import warnings
+
+    from rgc.rounding import random_bits
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    out = torch.empty(1000, dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        torch.ops.rgc.stochastic_round_(out, x, 3, 0)
+    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    want = ((bits + (random_bits(1000, seed=3) & 0xFFFF)) >> 16) & 0xFFFF
+    assert torch.equal(out.view(torch.int16).to(torch.int64) & 0xFFFF, want)

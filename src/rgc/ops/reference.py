@@ -140,8 +140,10 @@ def _compiled(fn, eager=None):
     def compiled(args):
         # detached: no view keeps its base, whose sizes dynamo would guard on too, and a view of
         # a trainable weight made under no_grad is no input torch.compile takes once the
-        # weight has been modified in place with grad mode on
-        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        # weight has been modified in place with grad mode on. A tensor passed twice stays one
+        # (two aliasing inputs would take dynamo's slower, and on some versions failing, path).
+        detached = {id(a): a.detach() for a in args if isinstance(a, torch.Tensor)}
+        args = tuple(detached.get(id(a), a) for a in args)
         key = _variant(args)
         if key not in variants:
             code = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
