@@ -37,6 +37,11 @@ def default_chunk_rows(k: int) -> int:
     return max(128, CHUNK_ELEMENTS // max(k, 1))
 
 
+def resolve_chunk_rows(chunk_rows: int | None, k: int) -> int:
+    """``chunk_rows`` as given, or :func:`default_chunk_rows` of ``k`` for ``None``."""
+    return default_chunk_rows(k) if chunk_rows is None else chunk_rows
+
+
 @dataclass
 class LowRankUpdate:
     """One sketched weight's share of a :class:`StackUpdate`, for step control and sync.

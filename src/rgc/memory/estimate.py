@@ -58,7 +58,7 @@ import torch.nn as nn
 
 from rgc.experts import expert_weight_names
 from rgc.nn import DEFAULT_TARGETS
-from rgc.updates import default_chunk_rows
+from rgc.updates import resolve_chunk_rows
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 #: Mixture-of-experts model types, read through a ``meta``-device build with transformers.
@@ -508,7 +508,7 @@ def _update_temp(d: int, k: int, r: int, chunk_rows: int | None, implementation:
     # an FP32 copy of P plus the chunk of H and the scaled chunk of C (none on the Triton kernel)
     if implementation == "triton":
         return 4 * k * r
-    rows = min(chunk_rows or default_chunk_rows(k), d)
+    rows = min(resolve_chunk_rows(chunk_rows, k), d)
     return 4 * k * r + rows * (k * UPDATE_BYTES_PER_CHUNK_ELEMENT + 4 * r)
 
 

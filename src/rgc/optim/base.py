@@ -30,7 +30,7 @@ from rgc.projection import advance_projections
 from rgc.registry import sketched_owner_of
 from rgc.seeding import derive_seed
 from rgc.sync import build_payload, fingerprint_tensor
-from rgc.updates import DenseUpdate, LowRankUpdate, StackUpdate, default_chunk_rows, to_host
+from rgc.updates import DenseUpdate, LowRankUpdate, StackUpdate, resolve_chunk_rows, to_host
 
 __all__ = ["DenseUpdate", "Entry", "LowRankUpdate", "Partials", "SketchOptimizer",
            "StackUpdate", "check_common_args", "rounding_seed"]
@@ -111,11 +111,6 @@ def group_lr(group: dict, device: torch.device) -> float | torch.Tensor:
     if torch.is_tensor(lr):
         return lr.detach().reshape(()).to(device=device, dtype=torch.float32)
     return lr
-
-
-def chunk_rows_of(group: dict, k: int) -> int:
-    """The group's ``chunk_rows`` for weights of row length ``k`` (``None``: the default)."""
-    return group["chunk_rows"] or default_chunk_rows(k)
 
 
 def check_common_args(lr, chunk_rows, seed) -> None:
@@ -307,7 +302,8 @@ class SketchOptimizer(Optimizer):
         """The :class:`StackUpdate` of ``entries`` with the given ``[M, E]`` coefficients."""
         return StackUpdate([e.param for e in entries], [e.owner for e in entries], factors,
                            coefs, decays, [e.seed for e in entries],
-                           chunk_rows_of(group, entries[0].owner.weight_matrices().shape[2]),
+                           resolve_chunk_rows(group["chunk_rows"],
+                                              entries[0].owner.weight_matrices().shape[2]),
                            group["stochastic_rounding"], active, sq_norms,
                            offsets=[e.offset for e in entries], extra={"entries": entries})
 
@@ -354,7 +350,7 @@ class SketchOptimizer(Optimizer):
                           "warning is shown once", RuntimeWarning, stacklevel=3)
             self._warned_nonfinite = True
 
-    def _weight_sq_norms(self, entries: list[Entry], chunk_rows: int) -> torch.Tensor:
+    def _weight_sq_norms(self, entries: list[Entry], chunk_rows: int | None) -> torch.Tensor:
         """``||W_e||_F^2`` of every matrix of the entries, ``[M, E]`` FP32.
 
         The previous update of a weight left ``state['weight_sq_norm']`` from the values it
@@ -373,8 +369,7 @@ class SketchOptimizer(Optimizer):
                 rows.append(cached.reshape(-1))
         if stale:
             weights = [entries[i].owner.weight_matrices() for i in stale]
-            fresh = ops.sum_squares(weights,
-                                    chunk_rows or default_chunk_rows(weights[0].shape[2]))
+            fresh = ops.sum_squares(weights, resolve_chunk_rows(chunk_rows, weights[0].shape[2]))
             for j, i in enumerate(stale):
                 rows[i] = fresh[j]
         return torch.stack(rows)
