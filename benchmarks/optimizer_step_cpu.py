@@ -5,8 +5,10 @@ down) of Qwen3-1.7B decoder layers (hidden 2048, 16 query and 8 key/value heads 
 intermediate 6144), every dimension divided by ``--scale`` to fit a small CPU. The RGC step
 includes everything ``step()`` does (||H|| from the Gram, ||W||, the chunked rebuild with
 stochastic rounding, clearing C, regenerating P); a third row times only the FP32 GEMMs of
-the rebuild (2 r flops per weight element), the floor of any CPU implementation of the step;
-a fourth row times only the regeneration of every layer's P (what refresh='every_step' adds).
+the rebuild (2 r flops per weight element); a fourth only the regeneration of every layer's P
+(what refresh='every_step' adds); a fifth the GEMMs and the stochastically rounded write of
+each chunk and nothing else, the floor of a fixed-P step under rgc's bit convention (the
+counter hash of every element is part of it).
 AdamW gets the same BF16 weights with BF16 gradients (its state in BF16, as torch keeps it),
 and FP32 weights with FP32 gradients.
 Timings are medians over interleaved repetitions, the order of the methods rotated at each one;
@@ -14,7 +16,7 @@ the ratios (medians of the ratios within each repetition) are what to read. The 
 is the CPU time of the calling thread (every method runs on it with one torch thread), which a
 machine shared with other jobs disturbs far less than wall time; ``--clock wall`` for wall time.
 
-    python benchmarks/optimizer_step_cpu.py [--scale 4] [--layers 2] [--rank 64] [--reps 36]
+    python benchmarks/optimizer_step_cpu.py [--scale 4] [--layers 2] [--rank 64] [--reps 35]
         [--threads 1] [--clock cpu|wall]
 """
 
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from benchmarks.common import write_results  # noqa: E402
 from rgc import CompressedLinear, RGCOptimizer  # noqa: E402
+from rgc.ops.reference import _write_rows  # noqa: E402
 from rgc.updates import default_chunk_rows  # noqa: E402
 
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
@@ -105,6 +108,30 @@ def build_rebuild_only(shapes, rank: int):
     return step
 
 
+def build_gemms_and_rounding(shapes, rank: int, seed: int = 0):
+    """The rebuild GEMMs and the one pass that writes each chunk of W with stochastic
+    rounding (:func:`rgc.ops.reference._write_rows`, the compiled loop), nothing else: no
+    norms, no Gram, no step bookkeeping. Its counter hash is fixed by the bit convention, so
+    this is the floor of the fixed-P step of any CPU implementation of that convention."""
+    mats = [(torch.randn(d, k).to(torch.bfloat16), torch.randn(d, rank),
+             torch.randn(k, rank).to(torch.bfloat16)) for _, d, k in shapes]
+
+    def step():
+        t = clock()
+        for n, (w, c, p) in enumerate(mats):
+            d, k = w.shape
+            p_t = p.to(torch.float32).t()
+            chunk_rows = default_chunk_rows(k)
+            h = torch.empty(min(chunk_rows, d), k)
+            for start in range(0, d, chunk_rows):
+                rows = w[start:start + chunk_rows]
+                part = torch.mm(c[start:start + chunk_rows], p_t, out=h[:rows.shape[0]])
+                _write_rows(rows, part, None, seed=seed + n, offset=start * k, row_length=k,
+                            stochastic_rounding=True)
+        return clock() - t
+    return step
+
+
 def build_adamw(shapes, dtype: torch.dtype):
     params = [nn.Parameter(torch.randn(d, k, dtype=dtype) * 0.02) for _, d, k in shapes]
     for p in params:
@@ -124,8 +151,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--scale", type=int, default=4)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rank", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=36,
-                    help="repetitions (a multiple of 6 puts every method at every position)")
+    ap.add_argument("--reps", type=int, default=35,
+                    help="repetitions (a multiple of 7 puts every method at every position)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: stable figures on a shared machine)")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
@@ -152,6 +179,7 @@ def run(args) -> list[dict]:
         "rgc (P refreshed every step)": lambda: rgc_step(True),
         "rgc (P fixed)": lambda: rgc_step(False),
         "of which: rebuild GEMMs only": build_rebuild_only(shapes, args.rank),
+        "of which: GEMMs + rounding pass (floor)": build_gemms_and_rounding(shapes, args.rank),
         "of which: P refresh only": build_refresh_only(shapes, args.rank),
         "adamw foreach, bf16 params": build_adamw(shapes, torch.bfloat16),
         "adamw foreach, fp32 params": build_adamw(shapes, torch.float32),
@@ -165,7 +193,7 @@ def run(args) -> list[dict]:
     # rotated at each repetition, so no method always runs first.
     names = ["adamw foreach, bf16 params", "rgc (P refreshed every step)",
              "adamw foreach, fp32 params", "rgc (P fixed)", "of which: rebuild GEMMs only",
-             "of which: P refresh only"]
+             "of which: P refresh only", "of which: GEMMs + rounding pass (floor)"]
     for rep in range(args.reps):
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
