@@ -90,29 +90,13 @@ def build_refresh_only(shapes, rank: int, seed: int = 0):
     return step
 
 
-def build_rebuild_only(shapes, rank: int):
-    """Only the FP32 GEMMs that rebuild H chunk by chunk (the optimizer's default chunks): the
-    floor of any CPU RGC step."""
-    mats = [(torch.randn(d, k).to(torch.bfloat16), torch.randn(d, rank),
-             torch.randn(k, rank).to(torch.bfloat16)) for _, d, k in shapes]
-
-    def step():
-        t = clock()
-        for w, c, p in mats:
-            p_t = p.to(torch.float32).t()
-            chunk_rows = default_chunk_rows(w.shape[1])
-            for start in range(0, w.shape[0], chunk_rows):
-                torch.addmm(w[start:start + chunk_rows].to(torch.float32),
-                            c[start:start + chunk_rows], p_t, alpha=-1e-3)
-        return clock() - t
-    return step
-
-
-def build_gemms_and_rounding(shapes, rank: int, seed: int = 0):
-    """The rebuild GEMMs and the one pass that writes each chunk of W with stochastic
-    rounding (:func:`rgc.ops.reference._write_rows`, the compiled loop), nothing else: no
-    norms, no Gram, no step bookkeeping. Its counter hash is fixed by the bit convention, so
-    this is the floor of the fixed-P step of any CPU implementation of that convention."""
+def build_rebuild(shapes, rank: int, *, write: bool = False, seed: int = 0):
+    """The FP32 GEMMs that rebuild H chunk by chunk (the optimizer's default chunks), and only
+    them: the floor of any CPU RGC step. ``write=True``: each chunk of H is then written into
+    W with stochastic rounding by the compiled pass (:func:`rgc.ops.reference._write_rows`),
+    and nothing else (no norms, no Gram, no step bookkeeping): as the counter hash of every
+    element is fixed by the bit convention, the floor of the fixed-P step of any CPU
+    implementation of that convention."""
     mats = [(torch.randn(d, k).to(torch.bfloat16), torch.randn(d, rank),
              torch.randn(k, rank).to(torch.bfloat16)) for _, d, k in shapes]
 
@@ -122,10 +106,13 @@ def build_gemms_and_rounding(shapes, rank: int, seed: int = 0):
             d, k = w.shape
             p_t = p.to(torch.float32).t()
             chunk_rows = default_chunk_rows(k)
-            h = torch.empty(min(chunk_rows, d), k)
+            h = torch.empty(min(chunk_rows, d), k) if write else None
             for start in range(0, d, chunk_rows):
-                rows = w[start:start + chunk_rows]
-                part = torch.mm(c[start:start + chunk_rows], p_t, out=h[:rows.shape[0]])
+                rows, c_rows = w[start:start + chunk_rows], c[start:start + chunk_rows]
+                if not write:
+                    torch.addmm(rows.to(torch.float32), c_rows, p_t, alpha=-1e-3)
+                    continue
+                part = torch.mm(c_rows, p_t, out=h[:rows.shape[0]])
                 _write_rows(rows, part, None, seed=seed + n, offset=start * k, row_length=k,
                             stochastic_rounding=True)
         return clock() - t
@@ -178,8 +165,8 @@ def run(args) -> list[dict]:
     runs = {
         "rgc (P refreshed every step)": lambda: rgc_step(True),
         "rgc (P fixed)": lambda: rgc_step(False),
-        "of which: rebuild GEMMs only": build_rebuild_only(shapes, args.rank),
-        "of which: GEMMs + rounding pass (floor)": build_gemms_and_rounding(shapes, args.rank),
+        "of which: rebuild GEMMs only": build_rebuild(shapes, args.rank),
+        "of which: GEMMs + rounding pass (floor)": build_rebuild(shapes, args.rank, write=True),
         "of which: P refresh only": build_refresh_only(shapes, args.rank),
         "adamw foreach, bf16 params": build_adamw(shapes, torch.bfloat16),
         "adamw foreach, fp32 params": build_adamw(shapes, torch.float32),
