@@ -9,4 +9,4 @@ fi
 . .venv/bin/activate
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-python -m pip install -q --disable-pip-version-check -e ".[dev,triton,hf,demo,trl]"
+python -m pip install -q --disable-pip-version-check -e ".[dev,triton,hf,demo,trl,peers]"
