@@ -851,10 +851,13 @@ def test_row_shards_updated_with_their_offset_equal_the_unsharded_update(d, k, r
     assert not torch.equal(whole, weight)
 
 
-@pytest.mark.parametrize("recipe", [False, True], ids=["rgc-data-parallel", "logra-fsdp2"])
-def test_example_runs_under_torchrun(tmp_path, recipe):
-    """examples/distributed.py as documented: data parallel with RGCOptimizer, and the LoGRA
-    recipe (FSDP2, RowAdam, annealed PredictedKL) with a DCP checkpoint (2 steps each)."""
+#: What a rank prints when torch's C++ distributed teardown calls ``std::terminate`` on its
+#: way out. It comes after the example has printed its last line, in about 1 of 140 runs here
+#: with three or four runs at once (and in one CI run): the training and the checks are done.
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _torchrun_example(workdir: Path, args: list[str]):
     import os
     import subprocess
     import sys
@@ -862,15 +865,32 @@ def test_example_runs_under_torchrun(tmp_path, recipe):
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",  # see _entry
                PYTHONPATH=os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]))
-    args = (["--recipe", "logra", "--checkpoint", str(tmp_path / "ckpt")] if recipe
-            else ["--recipe", "rgc"])
-    result = subprocess.run(
+    workdir.mkdir()
+    return subprocess.run(
         # --standalone: a free port for the rendezvous (another run may hold the default)
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(root / "examples" / "distributed.py"), "--steps", "2", *args],
-        capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=tmp_path)
+        capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=workdir)
+
+
+@pytest.mark.parametrize("recipe", [False, True], ids=["rgc-data-parallel", "logra-fsdp2"])
+def test_example_runs_under_torchrun(tmp_path, recipe):
+    """examples/distributed.py as documented: data parallel with RGCOptimizer, and the LoGRA
+    recipe (FSDP2, RowAdam, annealed PredictedKL) with a DCP checkpoint (2 steps each).
+
+    A run that printed all of its output and then aborted on exit (:data:`GLOO_EXIT_ABORT`)
+    is run once more; any other failure, or a second abort, fails."""
+    for attempt in (1, 2):
+        run_dir = tmp_path / f"run{attempt}"
+        args = (["--recipe", "logra", "--checkpoint", str(run_dir / "ckpt")] if recipe
+                else ["--recipe", "rgc"])
+        result = _torchrun_example(run_dir, args)
+        finished = "weights agree across ranks: True" in result.stdout and (
+            not recipe or "saved" in result.stdout)
+        if result.returncode == 0 or not finished or GLOO_EXIT_ABORT not in result.stderr:
+            break
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "weights agree across ranks: True" in result.stdout
+    assert finished
     if recipe:
         assert "predicted KL" in result.stdout
-        assert (tmp_path / "ckpt" / ".metadata").exists()
+        assert (run_dir / "ckpt" / ".metadata").exists()
