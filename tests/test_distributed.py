@@ -852,8 +852,8 @@ def test_row_shards_updated_with_their_offset_equal_the_unsharded_update(d, k, r
 
 
 #: What a rank prints when torch's C++ distributed teardown calls ``std::terminate`` on its
-#: way out. It comes after the example has printed its last line, in about 1 of 140 runs here
-#: with three or four runs at once (and in one CI run): the training and the checks are done.
+#: way out. It came after the example had printed its last line, in 1 of 380 runs here with
+#: three or four runs at once (and in one CI run): the training and the checks were done.
 GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 
