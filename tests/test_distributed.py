@@ -854,10 +854,11 @@ def test_row_shards_updated_with_their_offset_equal_the_unsharded_update(d, k, r
 #: What a rank prints when torch's C++ distributed teardown calls ``std::terminate`` on its
 #: way out. It came after the example had printed its last line, in 1 of 380 runs here with
 #: three or four runs at once (and in one CI run): the training and the checks were done.
-GLOO_EXIT_ABORT = "terminate called without an active exception"
+TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def _torchrun_example(workdir: Path, args: list[str]):
+    """``examples/distributed.py --steps 2 *args`` on two torchrun processes, in ``workdir``."""
     import os
     import subprocess
     import sys
@@ -878,7 +879,7 @@ def test_example_runs_under_torchrun(tmp_path, recipe):
     """examples/distributed.py as documented: data parallel with RGCOptimizer, and the LoGRA
     recipe (FSDP2, RowAdam, annealed PredictedKL) with a DCP checkpoint (2 steps each).
 
-    A run that printed all of its output and then aborted on exit (:data:`GLOO_EXIT_ABORT`)
+    A run that printed all of its output and then aborted on exit (:data:`TEARDOWN_ABORT`)
     is run once more; any other failure, or a second abort, fails."""
     for attempt in (1, 2):
         run_dir = tmp_path / f"run{attempt}"
@@ -887,10 +888,10 @@ def test_example_runs_under_torchrun(tmp_path, recipe):
         result = _torchrun_example(run_dir, args)
         finished = "weights agree across ranks: True" in result.stdout and (
             not recipe or "saved" in result.stdout)
-        if result.returncode == 0 or not finished or GLOO_EXIT_ABORT not in result.stderr:
+        if result.returncode == 0 or not finished or TEARDOWN_ABORT not in result.stderr:
             break
     assert result.returncode == 0, result.stdout + result.stderr
-    assert finished
+    assert finished, result.stdout
     if recipe:
         assert "predicted KL" in result.stdout
         assert (run_dir / "ckpt" / ".metadata").exists()
