@@ -26,9 +26,11 @@ import warnings
 
 import torch
 
+from rgc import ops
 from rgc.optim import RGCOptimizer, SketchOptimizer
-from rgc.optim.rgc import sketch_norm
+from rgc.optim.rgc import sketch_norm, sqrt32
 from rgc.registry import sketched_owner_of
+from rgc.updates import sum_squares
 
 _WARNED: set[str] = set()
 
@@ -65,7 +67,7 @@ def _pending(optimizer: SketchOptimizer):
 def _square_norm(tensor: torch.Tensor, layer) -> torch.Tensor:
     if layer is not None:
         return sketch_norm(tensor, layer.projection).square()
-    return tensor.detach().to(torch.float32).square().sum()
+    return sum_squares(tensor)
 
 
 @torch.no_grad()
@@ -82,7 +84,7 @@ def grad_norm(optimizer) -> torch.Tensor:
     if not squares:
         return torch.zeros((), dtype=torch.float32)
     device = squares[0].device
-    return torch.stack([s.to(device) for s in squares]).sum().sqrt()
+    return sqrt32(ops.pairwise_sums(torch.stack([s.to(device) for s in squares])))
 
 
 def _distributed() -> bool:

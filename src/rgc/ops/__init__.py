@@ -26,6 +26,10 @@ length: this is how an optimizer step's launches stay independent of the number 
 ``make_projections_``    a projection per seed written into its buffer (the P refresh)
 ``row_adam_``            RowAdam's moments per matrix, the direction U written into S
 =======================  ==============================================================
+
+``pairwise_sums`` (a plain function, every device) is the fixed-order sum over the last
+dimension that every reduction feeding a coefficient uses (docs/design.md, "One bit
+contract").
 """
 
 import functools
@@ -37,13 +41,14 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rgc.ops import reference
+from rgc.ops.reference import pairwise_sums
 
 IMPLEMENTATIONS = ("torch", "triton")
 
 __all__ = ["IMPLEMENTATIONS", "gaussian_matrices", "implementation", "implementation_for_device",
-           "lowrank_update_", "make_projections_", "orthonormalize", "random_words",
-           "row_adam_", "run_under_mode", "sketch_stats", "stochastic_round_", "sum_squares",
-           "triton_available"]
+           "lowrank_update_", "make_projections_", "orthonormalize", "pairwise_sums",
+           "random_words", "row_adam_", "run_under_mode", "sketch_stats", "stochastic_round_",
+           "sum_squares", "triton_available"]
 
 
 @functools.cache

@@ -16,7 +16,9 @@ sketch ``[E, d, r]`` FP32, its projection ``P`` ``[k, r]``; element ``(e, i, j)`
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import math
 import types
 import warnings
@@ -81,59 +83,140 @@ def _update_words(w: torch.Tensor, h: torch.Tensor, factor: torch.Tensor,
     h.view(torch.int32).copy_(torch.where(nan, (bits >> 16) | 0x40, (noise + bits) >> 16))
 
 
-def _sq_sum_words(w2: torch.Tensor) -> torch.Tensor:
-    """``sum(float32(w2[e])^2)`` per row of ``[E, n]`` (rows contiguous, any float dtype):
-    ``[E]`` FP32, each row one compiled reduction without an FP32 copy."""
-    v = w2.to(torch.float32)
-    return (v * v).sum(dim=1)
+# -- sums in a fixed order -------------------------------------------------------------------
+
+def pairwise_width(n: int) -> int:
+    """The power of two (>= 1) a row of ``n`` elements is padded to for :func:`pairwise_sums`."""
+    return 1 << max(0, n - 1).bit_length()
 
 
-#: Elements of W an eager norm converts to FP32 at once.
-_EAGER_NORM_ELEMENTS = 1 << 16
+def _halving_sums(x: torch.Tensor, width: int, square: bool) -> torch.Tensor:
+    """Row sums of ``x`` ``[R, n]`` (``n <= width``) in the fixed order of
+    :func:`pairwise_sums`: ``v = x`` (``square``: ``v = x * x``) in the accumulation dtype,
+    padded with +0 to ``width`` columns, then ``v <- v[:, :w/2] + v[:, w/2:]`` until one column
+    is left. Elementwise operations only, so compiled and eager, and every vector width, give
+    the same bits."""
+    v = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    if square:
+        v = v * v
+    v = torch.constant_pad_nd(v, (0, width - x.shape[1]))
+    while v.shape[1] > 1:
+        half = v.shape[1] // 2
+        v = v[:, :half] + v[:, half:]
+    return v[:, 0]
 
 
-def _sq_sum_chunks(w: torch.Tensor) -> torch.Tensor:
-    """:func:`_sq_sum_words` of ``[E, n]`` or ``[E, d, k]`` (any strides) in eager torch, an
-    FP32 copy of one block of rows at a time (a sum of block sums: an order of its own)."""
-    rows = max(1, _EAGER_NORM_ELEMENTS // max(1, math.prod(w.shape[2:])))
-    out = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
-    dims = tuple(range(1, w.dim()))
-    for start in range(0, w.shape[1], rows):
-        v = w[:, start:start + rows].to(torch.float32)
-        out += (v * v).sum(dim=dims)
+#: Elements one call of :func:`_halving_sums` reduces (padded): its temporaries (FP32, at most
+#: the padded chunk and its halves) stay within about one chunk of the update's rows.
+PAIRWISE_CHUNK = 1 << 18
+
+
+def _rows_view(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` ``[..., n]`` as one 2-D view ``[rows, n]`` (no copy), or ``None`` where its
+    leading dimensions do not collapse into one stride."""
+    n = x.shape[-1]
+    rows = math.prod(x.shape[:-1])
+    try:
+        return x.view(rows, n)
+    except RuntimeError:
+        return None
+
+
+def pairwise_sums(x: torch.Tensor, *, square: bool = False) -> torch.Tensor:
+    """Sums over the last dimension of ``x`` ``[..., n]`` (any strides, any float dtype) in a
+    fixed order: each row is padded with +0 to a power of two, then halved, ``v[j] <- v[j] +
+    v[j + w/2]``, until one value is left. ``square``: the sums of ``x * x``. Returns
+    ``[...]``, FP64 for FP64 ``x``, else FP32 (each element converted exactly, then squared
+    and added in that dtype).
+
+    Every step is one IEEE operation on two values, so the result does not depend on the
+    machine's vector width, on torch.compile or on how rows are batched: the reduction that
+    every norm feeding a coefficient uses (:func:`sum_squares`, :func:`sketch_stats`,
+    :func:`row_adam_`). On the CPU the loop is compiled (:func:`_compiled`), a chunk of
+    :data:`PAIRWISE_CHUNK` padded elements per call."""
+    n = x.shape[-1]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out = torch.empty(x.shape[:-1], dtype=acc, device=x.device)
+    if out.numel() == 0:
+        return out
+    if n == 0:
+        return out.zero_()
+    width = pairwise_width(n)
+    step = max(1, PAIRWISE_CHUNK // width)
+    run = _compiled(_halving_sums) if x.device.type == "cpu" else _halving_sums
+    rows = _rows_view(x.detach())
+    blocks = [(rows, out.view(-1))] if rows is not None else [
+        (x.detach()[index], out[index]) for index in itertools.product(
+            *(range(size) for size in x.shape[:-2]))]
+    for block, target in blocks:
+        for start in range(0, block.shape[0], step):
+            target[start:start + step] = run(block[start:start + step], width, square)
     return out
 
 
 def _variant(args) -> tuple:
     """What a compiled loop's graph is specialised on besides sizes: dtypes, ranks, sizes of
-    1, contiguity and inference-mode creation of the tensor arguments, and the thread's
+    1, contiguity and inference-mode creation of the tensor arguments, the values of the
+    other arguments (ints and bools, which the graph is traced with), and the thread's
     dispatch keys (an operator's kernel runs below autograd, a direct call does not)."""
     return (torch._C._dispatch_tls_local_include_set().raw_repr(),
             torch._C._dispatch_tls_local_exclude_set().raw_repr(),
             *((a.dtype, a.dim(), tuple(n == 1 for n in a.shape), a.is_contiguous(),
-               a.is_inference()) if isinstance(a, torch.Tensor) else type(a) for a in args))
+               a.is_inference()) if isinstance(a, torch.Tensor) else (type(a), a)
+              for a in args))
+
+
+def _isolated_dynamo():
+    """The dynamo settings rgc's loops are compiled and called under, whatever the user set:
+    no duck sizing (two sizes equal at the first call must not become one symbol, which a
+    later call would fail as a guard) and no error on a recompile (there is none to expect:
+    every variant has its own code object; should one happen, it stays rgc's business)."""
+    import torch.fx.experimental._config as fx_config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._dynamo.config.patch(error_on_recompile=False))
+    stack.enter_context(fx_config.patch(use_duck_shape=False))
+    return stack
 
 
 @functools.cache
-def _compiled(fn, eager=None):
-    """``fn`` compiled for the CPU (one vectorised loop), or where torch.compile cannot run
-    here ``eager`` (default ``fn`` itself: ~15x slower, the same bits, but for the norm's
-    reduction, whose order is the compiled loop's: a process uses one or the other for every
-    norm).
+def _inductor_options() -> dict:
+    """Inductor options of every loop. One thread: a loop is short (a chunk of rows), and an
+    OpenMP pool of its own beside torch's made the next LAPACK call wait ~10 ms for its
+    spinning threads. The vector width stated (``cpp.simdlen``, in bits): inductor's cache
+    does not otherwise tell code built for one ``ATEN_CPU_CAPABILITY`` from another's (torch
+    2.13 ran AVX-512 loops as AVX2 ones, with wrong results), and where it finds no vector
+    ISA (``default``) scalar code, as the vector code it emits there does not compile."""
+    options: dict = {"cpp.threads": 1}
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    Each :func:`_variant` of the arguments is compiled from a code object of its own, so no
-    call recompiles a graph: sizes are symbolic within a variant, and a user's dynamo settings
-    (``error_on_recompile``, a low ``recompile_limit``) or a test's many shapes never push a
-    loop onto the eager path halfway through a process.
+        isa = pick_vec_isa()
+        options["cpp.simdlen"] = isa.bit_width() if isa else 1
+    except (ImportError, AttributeError):
+        pass
+    return options
+
+
+@functools.cache
+def _compiled(fn):
+    """``fn`` compiled for the CPU (one vectorised loop), or where torch.compile cannot run
+    here ``fn`` itself, eagerly (~15x slower): every loop is elementwise torch code whose
+    float operations inductor neither reassociates nor contracts, so both give the same bits
+    (the tests compare them), whatever the user's dynamo settings.
+
+    Each :func:`_variant` of the arguments is compiled from a code object of its own, with
+    sizes symbolic within it, under :func:`_isolated_dynamo`: no call recompiles a graph, so
+    a user's ``error_on_recompile``, a low ``recompile_limit`` or many shapes never show rgc
+    in their dynamo logs, nor change its bits.
 
     Under a dispatch mode (rgc's memory tracker, the tests' counters), which torch.compile
     does not trace, the loop runs with the modes switched off: one opaque computation that
     writes its output and allocates nothing seen, with the bits it has outside the mode. With
     dynamo disabled (``TORCHDYNAMO_DISABLE=1``) the eager function runs: the compiled wrapper
     would run ``fn`` eagerly and only then raise (fullgraph found no frame), and as ``fn``
-    writes in place a second, fallback run would apply it twice.
+    may write in place a second, fallback run would apply it twice.
     """
-    eager = fn if eager is None else eager
     variants: dict[tuple, object] = {}
     failed = False
 
@@ -148,11 +231,10 @@ def _compiled(fn, eager=None):
         if key not in variants:
             code = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                                       fn.__defaults__, fn.__closure__)
-            # One thread: the loop is short (a chunk of rows), and an OpenMP pool of its own
-            # beside torch's made the next LAPACK call wait ~10 ms for its spinning threads.
             variants[key] = torch.compile(code, dynamic=True, fullgraph=True,
-                                          options={"cpp.threads": 1})
-        return variants[key](*args)
+                                          options=_inductor_options())
+        with _isolated_dynamo():
+            return variants[key](*args)
 
     def run(*args):
         nonlocal failed
@@ -164,9 +246,10 @@ def _compiled(fn, eager=None):
                 return compiled(args)
             except Exception as exc:  # no C++ compiler, unsupported platform
                 warnings.warn(f"rgc: torch.compile of a CPU loop failed ({exc!s:.200}); using "
-                              "eager torch ops (slower)", RuntimeWarning, stacklevel=2)
+                              "eager torch ops (slower, the same bits)", RuntimeWarning,
+                              stacklevel=2)
                 failed = True
-        return eager(*args)
+        return fn(*args)
     return run
 
 
@@ -430,20 +513,11 @@ def _scaled_inverse_cholesky(gram: torch.Tensor, scale: float) -> torch.Tensor:
 # -- the update and the norms ---------------------------------------------------------------
 
 def _sq_sums(w3: torch.Tensor) -> torch.Tensor:
-    """``||W_e||_F^2`` of a stack ``[E, d, k]``, ``[E]`` FP32: the one reduction of
-    :func:`sum_squares` and of :func:`lowrank_update_`'s norms, so a recomputed norm has the
-    update's bits. A matrix dense in memory (row- or column-major) is reduced in storage order
-    by the compiled loop on the CPU; others (a column slice of a wider matrix) by eager blocks
-    of rows."""
-    w3 = w3.detach()
-    e, d, k = w3.shape
-    se, sd, sk = w3.stride()
-    if w3.numel() and (sk == 1 and (sd == k or d == 1) or sd == 1 and (sk == d or k == 1)):
-        flat = w3.as_strided((e, d * k), (se if e > 1 else d * k, 1))
-        if w3.device.type == "cpu":
-            return _compiled(_sq_sum_words, _sq_sum_chunks)(flat)
-        return _sq_sum_chunks(flat)
-    return _sq_sum_chunks(w3)
+    """``||W_e||_F^2`` of a stack ``[E, d, k]`` (any strides), ``[E]`` FP32: the one reduction
+    of :func:`sum_squares` and of :func:`lowrank_update_`'s norms. Each row's squares, then
+    the d row sums, are added in the fixed order of :func:`pairwise_sums`, so the bits depend
+    only on the values and the shape."""
+    return pairwise_sums(pairwise_sums(w3, square=True))
 
 
 def _write_rows(rows: torch.Tensor, h: torch.Tensor, factor: torch.Tensor | None, *,
@@ -532,22 +606,35 @@ def sketch_stats(sketches: list[torch.Tensor], projections: list[torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(||C_e P^T||_F^2, all(isfinite(C_e)))`` per matrix, ``[M, E]`` FP32 and bool.
 
-    ``||C P^T||_F^2 = trace(C (P^T P) C^T)`` from the r x r Gram (no k-sized temporary),
-    clamped at 0; finite where ``sum(0 C)`` is (``0 x`` is NaN exactly where x is not finite);
-    sketches[m]: ``[E, d, r]`` FP32, projections[m]: ``[k, r]``.
+    ``||C P^T||_F^2 = trace(C (P^T P) C^T)`` from the r x r Gram (no k-sized temporary), in
+    float64: the Gram and ``C G`` from FP32 values whose products are exact there, ``(C G) * C``
+    added row by row and then over the rows in the order of :func:`pairwise_sums`, rounded
+    once to FP32 and clamped at 0. Its FP32 bits therefore do not depend on the order in which
+    the platform's GEMMs add (their float64 rounding is ~2**29 times finer than the FP32
+    result's). Finite where ``sum(0 C)`` is (``0 x`` is NaN exactly where x is not finite).
+    sketches[m]: ``[E, d, r]`` FP32, projections[m]: ``[k, r]``; C is converted a chunk of
+    rows at a time.
     """
     if not sketches:
         empty = torch.zeros(0, 0)
         return empty, empty.bool()
     h2, finite = [], []
     for c3, p in zip(sketches, projections, strict=True):
-        p32 = p.to(torch.float32)
-        gram = p32.t() @ p32
+        p64 = p.to(torch.float64)
+        gram = p64.t() @ p64
+        e, d, r = c3.shape
+        rows = torch.empty(e, d, dtype=torch.float64, device=c3.device)
+        flat = _rows_view(c3)
+        blocks = [(flat, rows.view(-1))] if flat is not None else list(zip(c3, rows))
+        step = max(1, PAIRWISE_CHUNK // max(1, r))
+        for c2, out in blocks:
+            for start in range(0, c2.shape[0], step):
+                c = c2[start:start + step].to(torch.float64)
+                out[start:start + step] = pairwise_sums((c @ gram).mul_(c))
+        h2.append(pairwise_sums(rows).to(torch.float32).clamp_min(0))
         # a sum of zeros cannot overflow: sum(0 C) is finite exactly when C is
-        stats = [((c @ gram).mul_(c).sum().clamp_min(0), c.mul(0.0).sum()) for c in c3]
-        h2.append(torch.stack([h for h, _ in stats]) if stats else c3.new_zeros(0))
-        finite.append(torch.isfinite(torch.stack([z for _, z in stats]) if stats
-                                     else c3.new_zeros(0)))
+        zeros = c3.mul(0.0).sum(dim=(1, 2)) if c3.numel() else c3.new_zeros(e)
+        finite.append(torch.isfinite(zeros))
     return torch.stack(h2), torch.stack(finite)
 
 
@@ -573,11 +660,12 @@ def row_adam_(sketches: list[torch.Tensor], exp_avgs: list[torch.Tensor],
     for s, m, v, ok, t in zip(sketches, exp_avgs, exp_avg_sqs, active, steps, strict=True):
         g = -s if maximize else s
         ok_rows = ok.view(-1, 1)
-        m.copy_(torch.where(ok_rows[..., None], m.mul(beta1).add_(g, alpha=1.0 - beta1), m))
-        v.copy_(torch.where(ok_rows, v.mul(beta2).add_(g.square().mean(dim=-1),
-                                                        alpha=1.0 - beta2), v))
+        m.copy_(torch.where(ok_rows[..., None], m.mul(beta1).add_(g.mul(1.0 - beta1)), m))
+        v.copy_(torch.where(ok_rows, v.mul(beta2).add_(pairwise_sums(g, square=True)
+                                                        .div_(g.shape[-1])
+                                                        .mul_(1.0 - beta2)), v))
         t = t.to(torch.float64)
         correction1 = (1.0 - beta1 ** t).to(torch.float32).view(-1, 1, 1)
         correction2 = (1.0 - beta2 ** t).to(torch.float32).view(-1, 1)
-        denom = (v / correction2).sqrt_().add_(eps)
+        denom = (v / correction2).double().sqrt_().to(torch.float32).add_(eps)
         torch.div(m, correction1, out=s).div_(denom[..., None])

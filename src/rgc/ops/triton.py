@@ -738,8 +738,8 @@ def _row_adam_kernel(table_ptr, active_ptr, steps_ptr, d, r,
         s = tl.load(s_base + r0 * stride_sr + s_off, mask=mask, other=0.0)
         squares += tl.reduce(s * s, 1, _sum)
     v = tl.load(v_ptrs, mask=row_ok, other=0.0)
-    # b v + (1 - b) x as torch's add_ with alpha computes it: one fused multiply-add
-    v = tl.where(ok, tl.fma(rest2, tl.div_rn(squares, r.to(tl.float32)), beta2 * v), v)
+    # b v + (1 - b) x, three roundings as the reference's (fp fusion is off for this kernel)
+    v = tl.where(ok, beta2 * v + tl.div_rn(squares, r.to(tl.float32)) * rest2, v)
     tl.store(v_ptrs, v, mask=tl.where(ok, row_ok, False))
     denom = tl.sqrt_rn(tl.div_rn(v, correction2)) + eps
     for r0 in range(0, r, BLOCK_R):
@@ -748,7 +748,7 @@ def _row_adam_kernel(table_ptr, active_ptr, steps_ptr, d, r,
         m_ptrs = m_base + r0 * stride_mr + m_off
         s = tl.load(s_ptrs, mask=mask, other=0.0) * sign
         mo = tl.load(m_ptrs, mask=mask, other=0.0)
-        mo = tl.where(ok, tl.fma(rest1, s, beta1 * mo), mo)
+        mo = tl.where(ok, beta1 * mo + s * rest1, mo)
         tl.store(m_ptrs, mo, mask=tl.where(ok, mask, False))
         tl.store(s_ptrs, tl.div_rn(tl.div_rn(mo, correction1), denom[:, None]), mask=mask)
 
@@ -1531,8 +1531,8 @@ def row_adam_(sketches: list[torch.Tensor], exp_avgs: list[torch.Tensor],
               beta1: float, beta2: float, eps: float, maximize: bool) -> None:
     """RowAdam's moments and direction per matrix, in place (contract:
     :func:`rgc.ops.reference.row_adam_`): one launch per group of equal layouts, nothing read
-    on the host. Every operation is the reference's, rounded once (fused multiply-adds where
-    torch's ``add_(x, alpha=)`` fuses, IEEE division and square root, bias corrections in
-    float64); only the order in which ``mean_j S^2`` adds a row differs."""
+    on the host. Every operation is the reference's, rounded once (no fused multiply-add,
+    IEEE division and square root, bias corrections in float64); only the order in which
+    ``mean_j S^2`` adds a row differs."""
     _launch(row_adam_launches(sketches, exp_avgs, exp_avg_sqs, active, steps, beta1, beta2,
                               eps, maximize))

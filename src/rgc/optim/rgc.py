@@ -6,7 +6,7 @@ import torch
 
 from rgc import ops
 from rgc.optim.base import Partials, SketchOptimizer, check_common_args, group_lr
-from rgc.updates import DenseUpdate, StackUpdate
+from rgc.updates import DenseUpdate, StackUpdate, sum_squares
 
 
 def sketch_norm(sketch: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
@@ -16,7 +16,7 @@ def sketch_norm(sketch: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     the whole stack), P: k x r.
     """
     h2, _ = ops.sketch_stats([sketch.reshape(-1, *sketch.shape[-2:])], [projection])
-    return sqrt32(h2.sum())
+    return sqrt32(ops.pairwise_sums(h2.view(-1)))
 
 
 EXPERT_NORMS = ("stack", "expert")
@@ -134,9 +134,9 @@ class RGCOptimizer(SketchOptimizer):
         lr = group_lr(group, h2.device)
         if h2.shape[1] > 1 and group.get("expert_norm", "expert") == "stack":
             # one coefficient per stack, from the norms of the whole stack (finite experts)
-            coef, _ = normalized_coef(w2.sum(1, keepdim=True),
-                                      torch.where(finite, h2, 0.0).sum(1, keepdim=True), lr,
-                                      finite.any(1, keepdim=True))
+            coef, _ = normalized_coef(ops.pairwise_sums(w2).unsqueeze(1),
+                                      ops.pairwise_sums(torch.where(finite, h2, 0.0)).unsqueeze(1),
+                                      lr, finite.any(1, keepdim=True))
             active = finite & (h2 > 0)
             coefs = torch.where(active, coef, 0.0)
         else:
@@ -149,8 +149,8 @@ class RGCOptimizer(SketchOptimizer):
     def _dense_partials(self, entry) -> Partials:
         partials = super()._dense_partials(entry)
         p = entry.param
-        partials.sums["weight"] = p.to(torch.float32).square().sum().reshape(1, 1)
-        partials.sums["direction"] = p.grad.to(torch.float32).square().sum().reshape(1, 1)
+        partials.sums["weight"] = sum_squares(p).reshape(1, 1)
+        partials.sums["direction"] = sum_squares(p.grad).reshape(1, 1)
         return partials
 
     def _propose_dense(self, p, group, state, seed, ok, partials) -> DenseUpdate:
