@@ -120,6 +120,10 @@ def _stacks():
             out.append(torch.randn(e, d, k, generator=g).to(dtype))
     out.append(torch.randn(2, 12, 6, generator=g).bfloat16().transpose(1, 2))
     out.append(torch.randn(1, 10, 30, generator=g).bfloat16()[:, :, 4:19])
+    # rows long enough for the compiled loop: one width with two lengths, and another width
+    for e, d, k in [(1, 260, 200), (2, 300, 150), (1, 100, 700)]:
+        out.append(torch.randn(e, d, k, generator=g).bfloat16())
+    out.append(torch.randn(2, 180, 200, generator=g).bfloat16().transpose(1, 2))
     with torch.inference_mode():  # other dispatch keys
         out.append(torch.randn(1, 6, 9, generator=g).bfloat16())
     return out
@@ -127,8 +131,8 @@ def _stacks():
 
 def test_cpu_norm_keeps_its_bits_whatever_shapes_and_dynamo_settings_come_before():
     """The compiled CPU loops never recompile (one code object per argument variant): neither a
-    user's error_on_recompile nor more layouts than dynamo's recompile limit sends the norm to
-    the eager path, whose order differs."""
+    user's error_on_recompile nor more layouts than dynamo's recompile limit sends a loop to
+    the eager path (which would give the same bits, only slower)."""
     from rgc.ops import reference
 
     first = torch.randn(1, 48, 40, generator=torch.Generator().manual_seed(2)).bfloat16()
@@ -145,18 +149,19 @@ def test_cpu_norm_keeps_its_bits_whatever_shapes_and_dynamo_settings_come_before
     assert torch.equal(before.view(torch.int32), after.view(torch.int32))
 
 
-def test_eager_cpu_norm_converts_one_block_of_rows_at_a_time():
-    """Where torch.compile cannot run, the norm is the eager reduction by blocks of rows, which
-    takes no FP32 copy of the whole weight (the tracker sees inside it when called directly;
-    the op runs its loops with dispatch modes off)."""
+def test_eager_cpu_norm_converts_one_chunk_of_rows_at_a_time(monkeypatch):
+    """Where torch.compile cannot run, the norm is the same halving loop run eagerly, a chunk
+    of rows at a time: the same bits, and no FP32 copy of the whole weight (every loop made
+    eager, so that the tracker sees inside it)."""
     from rgc.memory import track
     from rgc.ops import reference
 
-    w = torch.randn(1, 512, 1024, generator=torch.Generator().manual_seed(5)).bfloat16()
-    with torch._dynamo.config.patch(disable=True):
-        got = sum_squares_reference(w[0])
+    w = torch.randn(1, 1024, 1024, generator=torch.Generator().manual_seed(5)).bfloat16()
+    compiled = reference.sum_squares([w], 128)
+    monkeypatch.setattr(reference, "_compiled", lambda fn: fn)
     with track() as t:
-        blocks = reference._sq_sum_chunks(w.view(1, -1))
-    assert torch.equal(got.view(torch.int32), blocks[0].view(torch.int32))
-    torch.testing.assert_close(got.double(), w.double().square().sum(), rtol=1e-5, atol=0)
-    assert t.peak <= 2 * 4 * (1 << 16) + 1024  # two FP32 blocks of 2^16 elements at most
+        eager = reference.sum_squares([w], 128)
+    assert torch.equal(compiled.view(torch.int32), eager.view(torch.int32))
+    torch.testing.assert_close(eager[0].double(), w.double().square().sum(), rtol=1e-5, atol=0)
+    # the chunk in FP32, its squares and its first half at most: a quarter of W's FP32 size
+    assert 0 < t.peak <= 3 * 4 * reference.PAIRWISE_CHUNK + 8192

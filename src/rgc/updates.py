@@ -17,6 +17,7 @@ trainer's tensor coefficient and a receiver's float copy of it give the same bit
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -205,7 +206,8 @@ def sum_squares(tensor: torch.Tensor, *, chunk_rows: int = 128) -> torch.Tensor:
     """``||t||_F^2`` (0-dim FP32) of any tensor, rows being its first dimension (a 1-D tensor
     is one column): :func:`rgc.ops.sum_squares`'s reduction, no FP32 copy of ``t``."""
     tensor = tensor.detach()
-    rows = tensor.reshape(tensor.shape[0], -1) if tensor.dim() > 1 else tensor.reshape(-1, 1)
+    rows = (tensor.reshape(tensor.shape[0], math.prod(tensor.shape[1:])) if tensor.dim() > 1
+            else tensor.reshape(-1, 1))
     return ops.sum_squares([rows.unsqueeze(0)], chunk_rows)[0, 0]
 
 

@@ -109,6 +109,9 @@ def _halving_sums(x: torch.Tensor, width: int, square: bool) -> torch.Tensor:
 #: Elements one call of :func:`_halving_sums` reduces (padded): its temporaries (FP32, at most
 #: the padded chunk and its halves) stay within about one chunk of the update's rows.
 PAIRWISE_CHUNK = 1 << 18
+#: Chunks smaller than this (padded elements) run eagerly: each width is a graph of its own,
+#: worth compiling only where the data, not the per-operation overhead, costs the time.
+PAIRWISE_COMPILED_MIN = 1 << 15
 
 
 def _rows_view(x: torch.Tensor) -> torch.Tensor | None:
@@ -132,8 +135,8 @@ def pairwise_sums(x: torch.Tensor, *, square: bool = False) -> torch.Tensor:
     Every step is one IEEE operation on two values, so the result does not depend on the
     machine's vector width, on torch.compile or on how rows are batched: the reduction that
     every norm feeding a coefficient uses (:func:`sum_squares`, :func:`sketch_stats`,
-    :func:`row_adam_`). On the CPU the loop is compiled (:func:`_compiled`), a chunk of
-    :data:`PAIRWISE_CHUNK` padded elements per call."""
+    :func:`row_adam_`). On the CPU, for large rows, the loop is compiled (:func:`_compiled`),
+    a chunk of :data:`PAIRWISE_CHUNK` padded elements per call."""
     n = x.shape[-1]
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     out = torch.empty(x.shape[:-1], dtype=acc, device=x.device)
@@ -143,8 +146,9 @@ def pairwise_sums(x: torch.Tensor, *, square: bool = False) -> torch.Tensor:
         return out.zero_()
     width = pairwise_width(n)
     step = max(1, PAIRWISE_CHUNK // width)
-    run = _compiled(_halving_sums) if x.device.type == "cpu" else _halving_sums
     rows = _rows_view(x.detach())
+    big = min(step, out.numel()) * width >= PAIRWISE_COMPILED_MIN
+    run = _compiled(_halving_sums) if x.device.type == "cpu" and big else _halving_sums
     blocks = [(rows, out.view(-1))] if rows is not None else [
         (x.detach()[index], out[index]) for index in itertools.product(
             *(range(size) for size in x.shape[:-2]))]

@@ -1,0 +1,123 @@
+"""One bit contract (docs/design.md): the reductions that feed a coefficient have a fixed
+order, so rgc's results do not depend on the CPU's vector width, on dynamo, or on batching.
+
+``pairwise_sums`` is checked against the halving order written out plainly in numpy; the
+whole contract by running ``tests/bit_contract.py`` (fixed inputs, digests of every result)
+under each CPU capability, with dynamo on and off, and with MKL on the AVX2 code path an
+AVX2-only CPU takes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rgc import ops
+from rgc.ops import reference
+
+ROOT = Path(__file__).resolve().parents[1]
+
+NUMPY = {torch.bfloat16: np.float32, torch.float32: np.float32, torch.float64: np.float64}
+
+
+def halving_sums(x: torch.Tensor, square: bool) -> np.ndarray:
+    """The order of the contract, one numpy operation per level: each row padded with zeros
+    to a power of two, then ``v[j] + v[j + w/2]`` until one value is left."""
+    v = x.detach().to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    v = v.reshape(-1, x.shape[-1]).numpy().astype(NUMPY[x.dtype])
+    if square:
+        v = v * v
+    width = 1
+    while width < v.shape[1]:
+        width *= 2
+    v = np.concatenate([v, np.zeros((v.shape[0], width - v.shape[1]), v.dtype)], axis=1)
+    while v.shape[1] > 1:
+        half = v.shape[1] // 2
+        v = v[:, :half] + v[:, half:]
+    return v[:, 0].reshape(x.shape[:-1])
+
+
+@given(rows=st.integers(1, 6), n=st.integers(1, 300), square=st.booleans(),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.float64]),
+       seed=st.integers(0, 2**31 - 1))
+def test_pairwise_sums_add_in_the_halving_order(rows, n, square, dtype, seed):
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    got = ops.pairwise_sums(x, square=square)
+    want = halving_sums(x, square)
+    assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert np.array_equal(got.numpy().view(np.uint8), want.view(np.uint8))
+    exact = (x.double() ** 2 if square else x.double()).sum(-1)
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5 * n)
+
+
+def test_sum_squares_adds_rows_then_row_sums_in_the_halving_order():
+    g = torch.Generator().manual_seed(1)
+    for w in [torch.randn(3, 37, 130, generator=g).bfloat16(),
+              torch.randn(2, 40, 33, generator=g).bfloat16().transpose(1, 2),  # column-major
+              torch.randn(1, 50, 90, generator=g)[:, :, 10:73]]:  # a column slice
+        got = ops.sum_squares([w], 128)[0]
+        want = halving_sums(torch.from_numpy(halving_sums(w, square=True)), square=False)
+        assert np.array_equal(got.numpy().view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.slow
+def test_compiled_and_eager_pairwise_sums_have_the_same_bits():
+    """Rows large enough for the compiled loop: its bits are the eager loop's."""
+    g = torch.Generator().manual_seed(2)
+    for x in [torch.randn(300, 700, generator=g).bfloat16(), torch.randn(9, 5000, generator=g)]:
+        got = ops.pairwise_sums(x, square=True)
+        eager = reference._halving_sums(x, reference.pairwise_width(x.shape[1]), True)
+        assert torch.equal(got.view(torch.int32), eager.view(torch.int32))
+        assert np.array_equal(got.numpy(), halving_sums(x, True))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def _digests(env: dict[str, str]) -> dict:
+    full = {k: v for k, v in os.environ.items()
+            if k not in ("ATEN_CPU_CAPABILITY", "TORCHDYNAMO_DISABLE", "MKL_CBWR",
+                         "MKL_ENABLE_INSTRUCTIONS")}
+    full.update(env, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src")]))
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "bit_contract.py")], env=full,
+                         capture_output=True, text=True, timeout=600, check=True)
+    assert "RuntimeWarning" not in out.stderr, out.stderr  # no loop fell back to eager
+    return json.loads(out.stdout)
+
+
+@pytest.mark.slow
+def test_the_same_bits_on_every_cpu_capability_and_with_dynamo_off():
+    """rgc's own results are bit-identical under ATEN_CPU_CAPABILITY=default and the
+    machine's own (avx2 too where the CPU has it) and with dynamo off. Whole steps, which
+    also pass through BLAS and LAPACK (the rebuild ``U P^T``, CholeskyQR), are identical
+    wherever MKL takes one code path: under every capability and dynamo setting on one
+    machine, and between an AVX2-only CPU (emulated: MKL_ENABLE_INSTRUCTIONS=AVX2) and any
+    newer one given MKL_CBWR=AVX2."""
+    runs = {"native": {}, "default": {"ATEN_CPU_CAPABILITY": "default"},
+            "dynamo off": {"TORCHDYNAMO_DISABLE": "1"}}
+    avx2 = "avx2" in _cpu_flags()
+    if avx2:
+        runs["avx2 cpu"] = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+        runs["native, MKL_CBWR=AVX2"] = {"MKL_CBWR": "AVX2"}
+    got = {name: _digests(env) for name, env in runs.items()}
+    for name, digests in got.items():
+        assert digests["own"] == got["native"]["own"], name
+    for name in ("default", "dynamo off"):
+        assert got[name]["step"] == got["native"]["step"], name
+    if avx2:
+        assert got["avx2 cpu"]["step"] == got["native, MKL_CBWR=AVX2"]["step"]
