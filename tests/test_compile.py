@@ -7,6 +7,7 @@ reassociation only, so losses and weights agree to rtol = atol = 1e-5 after two 
 """
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch._dynamo
 import torch._dynamo.testing
 
 import rgc
-from tests.models import tiny_qwen3
+from tests.models import tiny_moe, tiny_qwen3
 
 
 @pytest.fixture(autouse=True)
@@ -58,3 +59,43 @@ def test_compiled_wrapped_model_matches_eager_without_breaks_or_recompiles():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-5, msg=name)
+
+
+class _DynamoRecords(logging.Handler):
+    """Dynamo's recompile and graph-break log records."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_rgc_never_shows_in_the_dynamo_logs_of_a_users_compiled_model(family, backend):
+    """A user's ``torch.compile(model)`` with ``error_on_recompile``: six forward, backward and
+    step iterations (every step refreshes P and runs rgc's compiled CPU loops) raise nothing,
+    and no recompile or graph break names rgc."""
+    if family == "dense":
+        model = rgc.wrap(tiny_qwen3(num_hidden_layers=1), rank=4)
+    else:
+        model = rgc.wrap(tiny_moe("qwen3_moe", layers=1), rank=4)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8),
+                        generator=torch.Generator().manual_seed(4))
+    records = _DynamoRecords()
+    logger = logging.getLogger("torch._dynamo")
+    torch._logging.set_logs(recompiles=True, graph_breaks=True)
+    logger.addHandler(records)
+    try:
+        compiled = torch.compile(model, backend=backend)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            losses = train(compiled, ids, steps=6)
+    finally:
+        logger.removeHandler(records)
+        torch._logging.set_logs()
+    assert torch.isfinite(losses).all() and losses[-1] < losses[0]
+    named = [m for m in records.messages if "rgc" in m]
+    assert not named, named

@@ -162,6 +162,7 @@ def test_eager_cpu_norm_converts_one_chunk_of_rows_at_a_time(monkeypatch):
     with track() as t:
         eager = reference.sum_squares([w], 128)
     assert torch.equal(compiled.view(torch.int32), eager.view(torch.int32))
-    torch.testing.assert_close(eager[0].double(), w.double().square().sum(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(eager[0, 0].double(), w.double().square().sum(), rtol=1e-5,
+                               atol=0)
     # the chunk in FP32, its squares and its first half at most: a quarter of W's FP32 size
     assert 0 < t.peak <= 3 * 4 * reference.PAIRWISE_CHUNK + 8192

@@ -2,6 +2,7 @@ import copy
 import io
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -12,6 +13,7 @@ import rgc
 import rgc.ops.reference
 from rgc.optim.rowadam import carry_moment
 from rgc.sketched import SketchedWeight
+from tests.halving import halving_sums
 
 
 def _model(d_in, hidden, d_out, *, dtype=torch.float32, bias=True, seed=0):
@@ -284,23 +286,27 @@ def test_expert_stacks_count_applied_updates_per_expert():
 
 @pytest.mark.parametrize("maximize", [False, True])
 def test_reference_moments_are_rowadams_fp32_operations(maximize):
-    """The bit contract of rgc.ops.row_adam_'s reference (RowAdam's bits since its first
-    version): for a 2-D weight's d x r sketch, these FP32 torch operations, one after the
-    other, with the bias corrections formed in float64."""
+    """The bit contract of rgc.ops.row_adam_'s reference, written out in numpy float32: each
+    product, sum and quotient rounded once (no fused multiply-add), the row mean of g^2 as the
+    halving sum of the contract divided by r, the square root correctly rounded, the bias
+    corrections formed in float64 and rounded once."""
     g = torch.Generator().manual_seed(3)
     d, r, beta1, beta2, eps = 37, 9, 0.9, 0.999, 1e-8
     s, m, v = torch.randn(d, r, generator=g), torch.randn(d, r, generator=g), torch.rand(d)
+    f32 = np.float32
     for ok, t in [(True, 7), (False, 3)]:
-        want_m, want_v, grad = m.clone(), v.clone(), -s if maximize else s
+        grad = -s.numpy() if maximize else s.numpy()
+        want_m, want_v = m.numpy().copy(), v.numpy().copy()
         if ok:
-            want_m = m.mul(beta1).add_(grad, alpha=1.0 - beta1)
-            want_v = v.mul(beta2).add_(grad.square().mean(dim=-1), alpha=1.0 - beta2)
-        c1 = (1.0 - beta1 ** torch.tensor(float(t), dtype=torch.float64)).to(torch.float32)
-        c2 = (1.0 - beta2 ** torch.tensor(float(t), dtype=torch.float64)).to(torch.float32)
-        want_u = torch.div(want_m, c1).div_((want_v / c2).sqrt_().add_(eps)[:, None])
+            want_m = want_m * f32(beta1) + grad * f32(1.0 - beta1)
+            mean = halving_sums(torch.from_numpy(grad), square=True) / f32(r)
+            want_v = want_v * f32(beta2) + mean * f32(1.0 - beta2)
+        c1, c2 = f32(1.0 - beta1 ** t), f32(1.0 - beta2 ** t)
+        root = np.sqrt((want_v / c2).astype(np.float64)).astype(f32)
+        want_u = (want_m / c1) / (root + f32(eps))[:, None]
         got_s, got_m, got_v = s.clone(), m.clone(), v.clone()
         rgc.ops.reference.row_adam_([got_s[None]], [got_m[None]], [got_v[None]],
                                     torch.tensor([[ok]]), torch.tensor([[t]]), beta1, beta2,
                                     eps, maximize)
         for got, want in ((got_s, want_u), (got_m, want_m), (got_v, want_v)):
-            assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+            assert np.array_equal(got.numpy().view(np.int32), want.astype(f32).view(np.int32))

@@ -106,12 +106,14 @@ def _halving_sums(x: torch.Tensor, width: int, square: bool) -> torch.Tensor:
     return v[:, 0]
 
 
-#: Elements one call of :func:`_halving_sums` reduces (padded): its temporaries (FP32, at most
-#: the padded chunk and its halves) stay within about one chunk of the update's rows.
+#: Padded elements one call of the compiled :func:`_halving_sums` reduces: its temporaries
+#: (FP32, at most the chunk and its halves) stay within about one chunk of the update's rows.
 PAIRWISE_CHUNK = 1 << 18
-#: Chunks smaller than this (padded elements) run eagerly: each width is a graph of its own,
-#: worth compiling only where the data, not the per-operation overhead, costs the time.
+#: Rows of fewer padded elements in all run eagerly: each width is a graph of its own, worth
+#: compiling only where the data, not the per-operation overhead, costs the time.
 PAIRWISE_COMPILED_MIN = 1 << 15
+#: Padded elements one eager call reduces (at most three such FP32 temporaries at a time).
+PAIRWISE_EAGER_CHUNK = 1 << 12
 
 
 def _rows_view(x: torch.Tensor) -> torch.Tensor | None:
@@ -135,8 +137,9 @@ def pairwise_sums(x: torch.Tensor, *, square: bool = False) -> torch.Tensor:
     Every step is one IEEE operation on two values, so the result does not depend on the
     machine's vector width, on torch.compile or on how rows are batched: the reduction that
     every norm feeding a coefficient uses (:func:`sum_squares`, :func:`sketch_stats`,
-    :func:`row_adam_`). On the CPU, for large rows, the loop is compiled (:func:`_compiled`),
-    a chunk of :data:`PAIRWISE_CHUNK` padded elements per call."""
+    :func:`row_adam_`). On the CPU, for large inputs, the loop is compiled
+    (:func:`_compiled`), a chunk of :data:`PAIRWISE_CHUNK` padded elements per call; otherwise
+    it runs eagerly, :data:`PAIRWISE_EAGER_CHUNK` at a time."""
     n = x.shape[-1]
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     out = torch.empty(x.shape[:-1], dtype=acc, device=x.device)
@@ -145,10 +148,11 @@ def pairwise_sums(x: torch.Tensor, *, square: bool = False) -> torch.Tensor:
     if n == 0:
         return out.zero_()
     width = pairwise_width(n)
-    step = max(1, PAIRWISE_CHUNK // width)
+    if x.device.type == "cpu" and out.numel() * width >= PAIRWISE_COMPILED_MIN:
+        run, step = _compiled(_halving_sums), max(1, PAIRWISE_CHUNK // width)
+    else:
+        run, step = _halving_sums, max(1, PAIRWISE_EAGER_CHUNK // width)
     rows = _rows_view(x.detach())
-    big = min(step, out.numel()) * width >= PAIRWISE_COMPILED_MIN
-    run = _compiled(_halving_sums) if x.device.type == "cpu" and big else _halving_sums
     blocks = [(rows, out.view(-1))] if rows is not None else [
         (x.detach()[index], out[index]) for index in itertools.product(
             *(range(size) for size in x.shape[:-2]))]
@@ -605,6 +609,15 @@ def sum_squares(weights: list[torch.Tensor], chunk_rows: int) -> torch.Tensor:
     return out
 
 
+#: Elements of C that :func:`sketch_stats` converts to float64 at once.
+SKETCH_STATS_CHUNK = 1 << 15
+
+
+def sketch_stats_rows(r: int) -> int:
+    """Rows of C (over all matrices of a stack) per float64 chunk of :func:`sketch_stats`."""
+    return max(1, SKETCH_STATS_CHUNK // max(1, r))
+
+
 @torch.no_grad()
 def sketch_stats(sketches: list[torch.Tensor], projections: list[torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -615,9 +628,8 @@ def sketch_stats(sketches: list[torch.Tensor], projections: list[torch.Tensor]
     added row by row and then over the rows in the order of :func:`pairwise_sums`, rounded
     once to FP32 and clamped at 0. Its FP32 bits therefore do not depend on the order in which
     the platform's GEMMs add (their float64 rounding is ~2**29 times finer than the FP32
-    result's). Finite where ``sum(0 C)`` is (``0 x`` is NaN exactly where x is not finite).
-    sketches[m]: ``[E, d, r]`` FP32, projections[m]: ``[k, r]``; C is converted a chunk of
-    rows at a time.
+    result's). Finite where every row's float64 value is. sketches[m]: ``[E, d, r]`` FP32,
+    projections[m]: ``[k, r]``; C is converted :func:`sketch_stats_rows` rows at a time.
     """
     if not sketches:
         empty = torch.zeros(0, 0)
@@ -630,15 +642,15 @@ def sketch_stats(sketches: list[torch.Tensor], projections: list[torch.Tensor]
         rows = torch.empty(e, d, dtype=torch.float64, device=c3.device)
         flat = _rows_view(c3)
         blocks = [(flat, rows.view(-1))] if flat is not None else list(zip(c3, rows))
-        step = max(1, PAIRWISE_CHUNK // max(1, r))
+        step = sketch_stats_rows(r)
         for c2, out in blocks:
             for start in range(0, c2.shape[0], step):
                 c = c2[start:start + step].to(torch.float64)
                 out[start:start + step] = pairwise_sums((c @ gram).mul_(c))
         h2.append(pairwise_sums(rows).to(torch.float32).clamp_min(0))
-        # a sum of zeros cannot overflow: sum(0 C) is finite exactly when C is
-        zeros = c3.mul(0.0).sum(dim=(1, 2)) if c3.numel() else c3.new_zeros(e)
-        finite.append(torch.isfinite(zeros))
+        # a finite C cannot overflow float64 here, and an inf or NaN in C makes its row's value
+        # inf or NaN (the Gram's diagonal is positive)
+        finite.append(torch.isfinite(rows).all(dim=1))
     return torch.stack(h2), torch.stack(finite)
 
 
