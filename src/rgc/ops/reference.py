@@ -256,24 +256,30 @@ def _polynomial(x: torch.Tensor, names: list[str]) -> torch.Tensor:
     return p + 1.0
 
 
-def _rho(w0: torch.Tensor) -> torch.Tensor:
-    """``sqrt(-2 ln u)`` for ``u = (w0 + 1) 2^-24`` (w0: 24-bit int32)."""
+def _rho(w0: torch.Tensor, sqrt32: bool = False) -> torch.Tensor:
+    """``sqrt(-2 ln u)`` for ``u = (w0 + 1) 2^-24`` (w0: 24-bit int32).
+
+    The square root is correctly rounded: the float64 one rounded to float32 (53 >= 2 * 24 + 2
+    bits), or with ``sqrt32`` the float32 one, for the compiled loop only (the IEEE
+    instruction; torch's eager float32 sqrt is not correctly rounded on the CPU, 15% of values
+    one unit off). Both give the same bits; the tests compare them on every ``w0``."""
     # u = 2^(e - 24) f with f in [sqrt(1/2), sqrt(2)), by exact integer and power-of-two steps
     x = w0 + 1
-    e = torch.zeros_like(x)  # floor(log2 x), x < 2^25: a binary search on the bits
+    e = torch.zeros_like(x)  # floor(log2 x), x <= 2^24: a binary search on the bits
     t = x
     for step in (16, 8, 4, 2, 1):
         above = (t >> step) > 0
         e = e + above.to(torch.int32) * step
         t = torch.where(above, t >> step, t)
-    f = x.to(torch.float32) / (1 << e).to(torch.float32)  # in [1, 2), exact
+    # x 2^-e in [1, 2), exact: a product by the exact power 2^(24 - e) 2^-24 (no division)
+    f = x.to(torch.float32) * ((1 << (24 - e)).to(torch.float32) * 2.0**-24)
     big = f > _bm("SQRT2")
     f = torch.where(big, f * 0.5, f)
     e = (e + big.to(torch.int32) - 24).to(torch.float32)
     s = (f - 1.0) / (f + 1.0)
     ln_u = e * _bm("LN2") + (s * 2.0) * _polynomial(s * s, ["L4", "L3", "L2", "L1"])
-    # torch's float32 sqrt is not correctly rounded on the CPU (15% of values differ by one
-    # unit); the float64 square root rounded to float32 is (53 >= 2 * 24 + 2 bits).
+    if sqrt32:
+        return (ln_u * -2.0).sqrt()
     return (ln_u * -2.0).double().sqrt().to(torch.float32)
 
 
@@ -296,21 +302,28 @@ def _polar(rho: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return cos * rho, sin * rho
 
 
-def _gaussian_pairs(cos_out: torch.Tensor, sin_out: torch.Tensor, keys: torch.Tensor) -> None:
+def _gaussian_pairs(cos_out: torch.Tensor, sin_out: torch.Tensor, keys: torch.Tensor,
+                    sqrt32: bool = False) -> None:
     """``cos_out[m, i], sin_out[m, i] = box_muller(w0, w1)`` (``[M, n]`` FP32, contiguous)
     of the words of indices ``keys[m, 0, 0] + i`` and ``keys[m, 1, 0] + i`` keyed by
     ``keys[m, :, 1:]`` (the seed words; ``keys``: ``[M, 2, 3]`` int32, additions wrap mod
-    2**32). Elementwise: a seed's pairs do not depend on the other seeds. Compiled on the CPU
-    (:func:`_compiled`): one loop for the whole pipeline and every seed of a group, whose
-    float operations are the eager ones one by one (inductor neither reassociates nor fuses
-    multiply-adds: ``-ffp-contract=off``, no unsafe math), so the bits are the same; the
-    tests compare the two."""
+    2**32). Elementwise: a seed's pairs do not depend on the other seeds."""
     n = torch.arange(cos_out.shape[1], dtype=torch.int32, device=cos_out.device)
     w0 = _mix32(_mix32((n + keys[:, 0, :1]) ^ keys[:, 0, 1:2]) ^ keys[:, 0, 2:])
     w1 = _mix32(_mix32((n + keys[:, 1, :1]) ^ keys[:, 1, 1:2]) ^ keys[:, 1, 2:])
-    cos, sin = _polar(_rho((w0 >> 8) & 0xFFFFFF), (w1 >> 8) & 0xFFFFFF)
+    cos, sin = _polar(_rho((w0 >> 8) & 0xFFFFFF, sqrt32), (w1 >> 8) & 0xFFFFFF)
     cos_out.copy_(cos)
     sin_out.copy_(sin)
+
+
+def _gaussian_pairs_compiled(cos_out: torch.Tensor, sin_out: torch.Tensor,
+                             keys: torch.Tensor) -> None:
+    """:func:`_gaussian_pairs` as the CPU compiles it (:func:`_compiled`): one loop for the
+    whole pipeline and every seed of a chunk, whose float operations are the eager ones one by
+    one (inductor neither reassociates nor fuses multiply-adds: ``-ffp-contract=off``, no
+    unsafe math) but for the correctly rounded float32 square root (:func:`_rho`), so the
+    bits are the same; the tests compare the two."""
+    _gaussian_pairs(cos_out, sin_out, keys, True)
 
 
 def _gaussian_pairs_blocked(cos_out: torch.Tensor, sin_out: torch.Tensor,
@@ -325,6 +338,14 @@ def _gaussian_pairs_blocked(cos_out: torch.Tensor, sin_out: torch.Tensor,
             shift = torch.tensor([start, 0, 0], dtype=torch.int32, device=keys.device)
             _gaussian_pairs(cos_out[m:m + 1, part], sin_out[m:m + 1, part],
                             keys[m:m + 1] + shift)
+
+
+def _gaussian_loop(device: torch.device):
+    """The pair loop of ``device``: compiled on the CPU (eager blocks where torch.compile
+    cannot run), eager blocks elsewhere."""
+    if device.type == "cpu":
+        return _compiled(_gaussian_pairs_compiled, _gaussian_pairs_blocked)
+    return _gaussian_pairs_blocked
 
 
 def box_muller(w0: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -367,9 +388,7 @@ def _gaussians(k: int, r: int, seeds: list[int], device: torch.device) -> torch.
     # the loop writes two contiguous buffers (one graph for every k and r), then one copy
     # interleaves them into G's rows: an in-graph concatenation took two more passes
     pairs_out = torch.empty(2, len(seeds), pairs, dtype=torch.float32, device=device)
-    run = (_compiled(_gaussian_pairs, _gaussian_pairs_blocked) if device.type == "cpu"
-           else _gaussian_pairs_blocked)
-    run(pairs_out[0], pairs_out[1], keys)
+    _gaussian_loop(device)(pairs_out[0], pairs_out[1], keys)
     torch.stack([pairs_out[0].view(-1, k, h), pairs_out[1].view(-1, k, h)], dim=2,
                 out=g.view(-1, k, 2, h))
     return g
