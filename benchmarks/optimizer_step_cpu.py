@@ -236,7 +236,8 @@ class Previous:
             raise RuntimeError(f"the worker for {checkout} did not start")
         self.commit = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short",
                                       "HEAD"], capture_output=True, text=True).stdout.strip()
-        self.commit = self.commit or checkout.name  # an archive: its directory's name
+        # an archive has no git directory: its directory's name says the version
+        self.commit = self.commit or checkout.name
 
     def step(self, name: str) -> float:
         self.proc.stdin.write(name + "\n")
@@ -308,7 +309,7 @@ def run(args) -> list[dict]:
         for r in prev_rows:
             r.pop("vs_previous")
         notes += (f" vs_previous: this version's time over the previous version's "
-                  f"(commit {previous.commit}, checkout {args.previous}), measured in the "
+                  f"({previous.commit}), measured in the "
                   "same run by a worker process whose steps take their turns in the rotation "
                   f"(its rows under optimizer_step_cpu_previous/, ratios to its own AdamW).")
         prev_dir = (args.out if args.out is not None else ROOT / "benchmarks" / "results")
