@@ -118,9 +118,25 @@ def test_compiled_and_eager_gaussians_are_bit_identical(k, r, seed):
     torch.compile cannot, gives the same G)."""
     compiled = gaussian_matrix(k, r, seed=seed)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(reference, "_int32_loop", lambda fn, device: fn)
+        mp.setattr(reference, "_gaussian_loop", lambda device: reference._gaussian_pairs_blocked)
         assert torch.equal(gaussian_matrix(k, r, seed=seed).view(torch.int32),
                            compiled.view(torch.int32))
+
+
+def test_compiled_radius_has_the_eager_bits_for_every_word():
+    """The compiled loop takes the float32 square root (the IEEE instruction), the eager path
+    the float64 one rounded to float32: both correctly rounded, so equal on all 2^24 words
+    (rho depends on w0 alone); and within 2e-6 of float64 Box-Muller's radius."""
+    w0 = torch.arange(1 << 24, dtype=torch.int32)
+    got = torch.empty(1 << 24)
+    reference._compiled(lambda w, out: out.copy_(reference._rho(w, True)))(w0, got)
+    u = (w0.double() + 1) / 2**24
+    exact = torch.sqrt(-2 * torch.log(u))
+    assert (got.double() - exact).abs().max() <= 2e-6
+    for start in range(0, 1 << 24, 1 << 20):  # eager in blocks (its temporaries)
+        part = slice(start, start + (1 << 20))
+        assert torch.equal(got[part].view(torch.int32),
+                           reference._rho(w0[part]).view(torch.int32)), start
 
 
 def test_advance_projections_moves_each_owner_to_its_next_version():
@@ -199,3 +215,25 @@ def test_generation_reads_no_tensor_value_on_the_host(kind, k):
 def test_too_large_a_projection_is_refused_before_allocating():
     with pytest.raises(ValueError, match="too large"):
         gaussian_matrix(2**26, 64, seed=0)
+
+
+@pytest.mark.parametrize("kind", ["orthonormal", "gaussian"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_projections_across_chunks_have_the_bits_of_each_alone(monkeypatch, kind, dtype):
+    """The CPU refresh takes same-shaped projections in chunks: with chunks of 2 (a small
+    PROJECTION_CHUNK_BYTES), five projections, reordered, keep their bits; and each
+    orthonormal P is within 1e-5 (FP32) of sqrt(k/r) times the float64 Householder Q."""
+    k, r, seeds = 48, 6, [5, 1, 2**62 + 3, 9, 0]
+    alone = {s: make_projection(kind, k, r, seed=s, dtype=dtype) for s in seeds}
+    monkeypatch.setattr(reference, "PROJECTION_CHUNK_BYTES", 2 * 8 * k * ((r + 1) // 2))
+    assert reference.projection_chunk(k, r) == 2
+    for order in (seeds, seeds[::-1]):
+        batch = projections(kind, k, r, order, device="cpu", dtype=dtype)
+        for p, s in zip(batch, order, strict=True):
+            assert torch.equal(p, alone[s])
+    if kind == "orthonormal" and dtype == torch.float32:
+        for s in seeds:
+            q, upper = torch.linalg.qr(gaussian_matrix(k, r, seed=s).double())
+            q = q * torch.sign(torch.diagonal(upper))
+            torch.testing.assert_close(alone[s].double(), math.sqrt(k / r) * q, atol=1e-5,
+                                       rtol=0)

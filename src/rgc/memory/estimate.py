@@ -58,6 +58,7 @@ import torch.nn as nn
 
 from rgc.experts import expert_weight_names
 from rgc.nn import DEFAULT_TARGETS
+from rgc.ops.reference import projection_chunk
 from rgc.updates import resolve_chunk_rows
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
@@ -489,19 +490,35 @@ def _moe_layer_activations(arch: Architecture, n: int, wsize: int, dense: bool) 
     return router + routing + experts
 
 
-def _refresh_temp(k: int, r: int, weight_itemsize: int = 2, implementation: str = "torch") -> int:
-    # G (4k * 2ceil(r/2)), written by one loop without temporaries (a compiled one on the
-    # CPU, a Triton kernel on CUDA), then G and G R^-1 (4kr) beside the r x r factors (BF16 P,
-    # k >= 4r); G, its float64 copy and G R^-1 (FP32 P); float64 CholeskyQR3 (k < 4r).
-    g = 8 * k * ((r + 1) // 2)
-    generating = g
+def _refresh_temp(k: int, r: int, weight_itemsize: int = 2, implementation: str = "torch",
+                  projections: int = 1) -> int:
+    g = 8 * k * ((r + 1) // 2)  # G: 4k * 2ceil(r/2)
+    if implementation != "torch":
+        # G, written by one Triton kernel, then G and G R^-1 (4kr) beside the r x r factors
+        # (BF16 P, k >= 4r); G, its float64 copy and G R^-1 (FP32 P); float64 CholeskyQR3
+        # (k < 4r)
+        if k < 4 * r:
+            factoring = 20 * k * r + 16 * r * r + 8
+        elif weight_itemsize == 2:
+            factoring = g + 4 * k * r + 4 * r * r
+        else:
+            factoring = 16 * k * r + 12 * r * r
+        return max(g, factoring)
+    # The reference refreshes the projections of one shape in chunks (rgc.ops.reference.
+    # make_projections_): c G at once, written by one compiled loop through two buffers of
+    # pairs as large (2 c G); then beside the c G: float64 CholeskyQR3 matrix by matrix
+    # (k < 4r: 16kr + 16r^2); or the c Grams (FP32 for BF16 P, float64 with a float64 copy of
+    # one G for FP32 P), four c r^2 factors while they are inverted, and the FP32 inverses
+    # with one FP32 product G R^-1 at a time (none for an FP32 P, written in place).
+    c = min(max(1, projections), projection_chunk(k, r))
     if k < 4 * r:
-        factoring = 20 * k * r + 16 * r * r + 8
-    elif weight_itemsize == 2:
-        factoring = g + 4 * k * r + 4 * r * r
-    else:
-        factoring = 16 * k * r + 12 * r * r
-    return max(generating, factoring)
+        return max(2 * c * g, c * g + 16 * k * r + 16 * r * r + 8)
+    size = 4 if weight_itemsize == 2 else 8
+    rr = c * r * r
+    grams = size * rr + (0 if size == 4 else 8 * k * r)
+    factors = 4 * size * rr
+    products = 4 * rr + (4 * k * r if size == 4 else 0)
+    return max(2 * c * g, c * g + max(grams, factors, products))
 
 
 def _update_temp(d: int, k: int, r: int, chunk_rows: int | None, implementation: str) -> int:
@@ -519,25 +536,29 @@ def _norm_temp(d: int, k: int, r: int) -> int:
 
 def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None = None,
                          implementation: str = "torch", weight_itemsize: int = 2,
-                         experts: int = 1) -> int:
+                         experts: int = 1, projections: int = 1) -> int:
     """Largest transient of one RGCOptimizer update of a d x k weight at rank r, in bytes.
 
     The largest of: ``||H||`` from the Gram matrix and the finiteness of C (an FP32 copy of P,
     the Gram and C P^T P, multiplied by C in place: 4kr + 4dr + 4r^2); the update (4kr plus
     :data:`UPDATE_BYTES_PER_CHUNK_ELEMENT` per chunk element); regenerating P after the step
-    (about 8kr for BF16 weights, 16kr for FP32, 20kr when k < 4r).
+    (about 8kr for BF16 weights, 16kr for FP32, 20kr when k < 4r; the reference regenerates
+    ``projections`` of this shape, those of every target with this k, in chunks of
+    :func:`rgc.ops.reference.projection_chunk`, with their G at once: 16kr per projection of
+    a chunk while G is generated).
 
     A stack of ``experts`` matrices takes the same step matrix by matrix: its largest
     transient is one matrix's (``experts`` is accepted for the signature's symmetry).
     """
     return UPDATE_SCALAR_BYTES + max(
         _norm_temp(d, k, r), _update_temp(d, k, r, chunk_rows, implementation),
-        _refresh_temp(k, r, weight_itemsize, implementation))
+        _refresh_temp(k, r, weight_itemsize, implementation, projections))
 
 
 def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None = None,
                              implementation: str = "torch", weight_itemsize: int = 2,
-                             experts: int = 1, old_projections: int | None = None) -> int:
+                             experts: int = 1, old_projections: int | None = None,
+                             projections: int = 1) -> int:
     """Largest transient of one RowAdam update of a d x k weight at rank r, in bytes.
 
     The finiteness check and ``||C P^T||`` (as RGC's, which tell a skipped or, for experts, an
@@ -556,7 +577,8 @@ def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None =
     carry = max(16 * k * r + 16 * r * r, 8 * k * r + 12 * r * r + 4 * dr)
     return UPDATE_SCALAR_BYTES + max(
         8 * dr, _norm_temp(d, k, r), _update_temp(d, k, r, chunk_rows, implementation),
-        old_projections + max(_refresh_temp(k, r, weight_itemsize, implementation), carry))
+        old_projections + max(_refresh_temp(k, r, weight_itemsize, implementation, projections),
+                              carry))
 
 
 # -- compute mode (rgc.compute): FP32 matmuls on low-precision weights ----------------------
@@ -635,8 +657,10 @@ def _plan_sketch(spec, chosen, rank, *, method, chunk_rows, implementation):
         parts["optimizer_state"] = sum(s.experts * (s.d * rank * FP32 + s.d * FP32)
                                        for s in chosen)
         parts["optimizer_state"] += sum(2 * s.experts * s.d * FP32 for s in chosen if s.bias)
+    same_k = {k: sum(1 for s in chosen if s.k == k) for k in {s.k for s in chosen}}
     step_temp = max(temps(s.d, s.k, rank, chunk_rows=chunk_rows, implementation=implementation,
-                          weight_itemsize=wsize, experts=s.experts) for s in chosen)
+                          weight_itemsize=wsize, experts=s.experts, projections=same_k[s.k])
+                    for s in chosen)
     return _Plan(parts, ("sketch", "gradients"), step_temp, activations="sketch")
 
 

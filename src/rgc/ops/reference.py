@@ -347,24 +347,30 @@ def _polynomial(x: torch.Tensor, names: list[str]) -> torch.Tensor:
     return p + 1.0
 
 
-def _rho(w0: torch.Tensor) -> torch.Tensor:
-    """``sqrt(-2 ln u)`` for ``u = (w0 + 1) 2^-24`` (w0: 24-bit int32)."""
+def _rho(w0: torch.Tensor, sqrt32: bool = False) -> torch.Tensor:
+    """``sqrt(-2 ln u)`` for ``u = (w0 + 1) 2^-24`` (w0: 24-bit int32).
+
+    The square root is correctly rounded: the float64 one rounded to float32 (53 >= 2 * 24 + 2
+    bits), or with ``sqrt32`` the float32 one, for the compiled loop only (the IEEE
+    instruction; torch's eager float32 sqrt is not correctly rounded on the CPU, 15% of values
+    one unit off). Both give the same bits; the tests compare them on every ``w0``."""
     # u = 2^(e - 24) f with f in [sqrt(1/2), sqrt(2)), by exact integer and power-of-two steps
     x = w0 + 1
-    e = torch.zeros_like(x)  # floor(log2 x), x < 2^25: a binary search on the bits
+    e = torch.zeros_like(x)  # floor(log2 x), x <= 2^24: a binary search on the bits
     t = x
     for step in (16, 8, 4, 2, 1):
         above = (t >> step) > 0
         e = e + above.to(torch.int32) * step
         t = torch.where(above, t >> step, t)
-    f = x.to(torch.float32) / (1 << e).to(torch.float32)  # in [1, 2), exact
+    # x 2^-e in [1, 2), exact: a product by the exact power 2^(24 - e) 2^-24 (no division)
+    f = x.to(torch.float32) * ((1 << (24 - e)).to(torch.float32) * 2.0**-24)
     big = f > _bm("SQRT2")
     f = torch.where(big, f * 0.5, f)
     e = (e + big.to(torch.int32) - 24).to(torch.float32)
     s = (f - 1.0) / (f + 1.0)
     ln_u = e * _bm("LN2") + (s * 2.0) * _polynomial(s * s, ["L4", "L3", "L2", "L1"])
-    # torch's float32 sqrt is not correctly rounded on the CPU (15% of values differ by one
-    # unit); the float64 square root rounded to float32 is (53 >= 2 * 24 + 2 bits).
+    if sqrt32:
+        return (ln_u * -2.0).sqrt()
     return (ln_u * -2.0).double().sqrt().to(torch.float32)
 
 
@@ -387,19 +393,50 @@ def _polar(rho: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return cos * rho, sin * rho
 
 
-def _gaussian_block(cos_out: torch.Tensor, sin_out: torch.Tensor, keys: torch.Tensor) -> None:
-    """``cos_out, sin_out = box_muller(w0, w1)`` (1-D) of the words of indices
-    ``keys[0, 0] + i`` and ``keys[1, 0] + i`` (``keys[:, 1:]``: the seed words). Compiled on
-    the CPU (:func:`_compiled`): one loop for the whole pipeline, whose float operations are
-    the eager ones one by one (inductor neither reassociates nor fuses multiply-adds:
-    ``-ffp-contract=off``, no unsafe math), so the bits are the same; the tests compare the
-    two."""
-    n = torch.arange(cos_out.numel(), dtype=torch.int32, device=cos_out.device)
-    w0 = _mix32(_mix32((n + keys[0, 0]) ^ keys[0, 1]) ^ keys[0, 2])
-    w1 = _mix32(_mix32((n + keys[1, 0]) ^ keys[1, 1]) ^ keys[1, 2])
-    cos, sin = _polar(_rho((w0 >> 8) & 0xFFFFFF), (w1 >> 8) & 0xFFFFFF)
+def _gaussian_pairs(cos_out: torch.Tensor, sin_out: torch.Tensor, keys: torch.Tensor,
+                    sqrt32: bool = False) -> None:
+    """``cos_out[m, i], sin_out[m, i] = box_muller(w0, w1)`` (``[M, n]`` FP32, contiguous)
+    of the words of indices ``keys[m, 0, 0] + i`` and ``keys[m, 1, 0] + i`` keyed by
+    ``keys[m, :, 1:]`` (the seed words; ``keys``: ``[M, 2, 3]`` int32, additions wrap mod
+    2**32). Elementwise: a seed's pairs do not depend on the other seeds."""
+    n = torch.arange(cos_out.shape[1], dtype=torch.int32, device=cos_out.device)
+    w0 = _mix32(_mix32((n + keys[:, 0, :1]) ^ keys[:, 0, 1:2]) ^ keys[:, 0, 2:])
+    w1 = _mix32(_mix32((n + keys[:, 1, :1]) ^ keys[:, 1, 1:2]) ^ keys[:, 1, 2:])
+    cos, sin = _polar(_rho((w0 >> 8) & 0xFFFFFF, sqrt32), (w1 >> 8) & 0xFFFFFF)
     cos_out.copy_(cos)
     sin_out.copy_(sin)
+
+
+def _gaussian_pairs_compiled(cos_out: torch.Tensor, sin_out: torch.Tensor,
+                             keys: torch.Tensor) -> None:
+    """:func:`_gaussian_pairs` as the CPU compiles it (:func:`_compiled`): one loop for the
+    whole pipeline and every seed of a chunk, whose float operations are the eager ones one by
+    one (inductor neither reassociates nor fuses multiply-adds: ``-ffp-contract=off``, no
+    unsafe math) but for the correctly rounded float32 square root (:func:`_rho`), so the
+    bits are the same; the tests compare the two."""
+    _gaussian_pairs(cos_out, sin_out, keys, True)
+
+
+def _gaussian_pairs_blocked(cos_out: torch.Tensor, sin_out: torch.Tensor,
+                            keys: torch.Tensor) -> None:
+    """:func:`_gaussian_pairs` in eager torch, :data:`GAUSSIAN_BLOCK` pairs of one seed at a
+    time (its temporaries stay about 2 MiB): where the loop is not compiled (other devices,
+    no compiler)."""
+    count, n = cos_out.shape
+    for m in range(count):
+        for start in range(0, n, GAUSSIAN_BLOCK):
+            part = slice(start, start + GAUSSIAN_BLOCK)
+            shift = torch.tensor([start, 0, 0], dtype=torch.int32, device=keys.device)
+            _gaussian_pairs(cos_out[m:m + 1, part], sin_out[m:m + 1, part],
+                            keys[m:m + 1] + shift)
+
+
+def _gaussian_loop(device: torch.device):
+    """The pair loop of ``device``: compiled on the CPU (eager blocks where torch.compile
+    cannot run), eager blocks elsewhere."""
+    if device.type == "cpu":
+        return _compiled(_gaussian_pairs_compiled, _gaussian_pairs_blocked)
+    return _gaussian_pairs_blocked
 
 
 def box_muller(w0: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -420,31 +457,32 @@ def gaussian_matrices(k: int, r: int, seeds: list[int], device) -> torch.Tensor:
     With ``h = ceil(r/2)``, pair ``c`` of row ``i`` (``m = i h + c``) takes the words of indices
     ``m`` and ``k h + m`` (label ``"projection-gaussian"``) shifted right by 8:
     ``G[i, c], G[i, h + c] = box_muller(w0, w1)``. Elementwise, so a seed's ``G`` does not
-    depend on the other seeds of the batch; the Triton kernel performs the same operations.
+    depend on the other seeds of the batch (on the CPU one compiled loop writes every seed's);
+    the Triton kernel performs the same operations.
     """
-    device = torch.device(device)
+    return _gaussians(k, r, seeds, torch.device(device))[:, :, :r]
+
+
+def _gaussians(k: int, r: int, seeds: list[int], device: torch.device) -> torch.Tensor:
+    """:func:`gaussian_matrices` as ``[M, k, 2 ceil(r/2)]`` (contiguous)."""
     h = (r + 1) // 2
     pairs = k * h
     if 2 * pairs >= 1 << 32:
         raise ValueError(f"a {k} x {r} projection is too large (2 k ceil(r/2) >= 2**32)")
     g = torch.empty(len(seeds), k, 2 * h, dtype=torch.float32, device=device)
-    rows = max(1, GAUSSIAN_BLOCK // h)
-    run = _int32_loop(_gaussian_block, device)
-    # 1-D contiguous buffers: one compiled graph serves every k and r
-    cos = torch.empty(min(rows, k) * h, dtype=torch.float32, device=device)
-    sin = torch.empty_like(cos)
-    for m, seed in enumerate(seeds):
-        s_lo, s_hi = seed_words(seed, GAUSSIAN_LABEL)
-        for i in range(0, k, rows):
-            n = min(rows, k - i) * h
-            # 2 k h < 2**32: the index has no high word, the key is s_hi alone
-            keys = torch.tensor([[as_int32(i * h), as_int32(s_lo), as_int32(s_hi)],
-                                 [as_int32(pairs + i * h), as_int32(s_lo), as_int32(s_hi)]],
-                                dtype=torch.int32, device=device)
-            run(cos[:n], sin[:n], keys)
-            g[m, i:i + n // h, :h] = cos[:n].view(-1, h)
-            g[m, i:i + n // h, h:] = sin[:n].view(-1, h)
-    return g[:, :, :r]
+    if not g.numel():
+        return g
+    # 2 k h < 2**32: an index has no high word, the key is s_hi alone
+    words = [[as_int32(w) for w in seed_words(seed, GAUSSIAN_LABEL)] for seed in seeds]
+    keys = torch.tensor([[[0, *w], [as_int32(pairs), *w]] for w in words], dtype=torch.int32,
+                        device=device)
+    # the loop writes two contiguous buffers (one graph for every k and r), then one copy
+    # interleaves them into G's rows: an in-graph concatenation took two more passes
+    pairs_out = torch.empty(2, len(seeds), pairs, dtype=torch.float32, device=device)
+    _gaussian_loop(device)(pairs_out[0], pairs_out[1], keys)
+    torch.stack([pairs_out[0].view(-1, k, h), pairs_out[1].view(-1, k, h)], dim=2,
+                out=g.view(-1, k, 2, h))
+    return g
 
 
 def orthonormalize(g: torch.Tensor, scale: float, gram_fp64: bool) -> torch.Tensor:
@@ -482,29 +520,84 @@ def _orthonormalize_one(g: torch.Tensor, scale: float, gram_fp64: bool) -> torch
 RADEMACHER_LABEL = "projection-rademacher"
 
 
+#: Bytes of ``G`` (FP32, ``[M, k, 2 ceil(r/2)]``) that :func:`make_projections_` generates
+#: and orthonormalises at once: the projections of one shape are taken in chunks of
+#: :func:`projection_chunk` seeds (at least one).
+PROJECTION_CHUNK_BYTES = 1 << 21
+
+
+def projection_chunk(k: int, r: int) -> int:
+    """Projections of one k x r shape that :func:`make_projections_` refreshes together."""
+    return max(1, PROJECTION_CHUNK_BYTES // max(1, 8 * k * ((r + 1) // 2)))
+
+
 @torch.no_grad()
 def make_projections_(outs: list[torch.Tensor], kind: str, seeds: list[int]) -> None:
-    """Write the projection of ``seeds[m]`` into ``outs[m]`` (k x r, any float dtype), one
-    matrix at a time (no temporary larger than one projection's).
+    """Write the projection of ``seeds[m]`` into ``outs[m]`` (k x r, any float dtype).
 
     ``orthonormal``: ``sqrt(k/r)`` times the CholeskyQR ``Q`` of ``G`` (Gram in float64 unless
     the output is BF16); ``gaussian``: ``G / sqrt(r)``; ``rademacher``: ``+-1/sqrt(r)`` by the
     top bit of word ``i r + j`` (label ``"projection-rademacher"``). Rounded once to the
-    output's dtype.
+    output's dtype. Outputs of one shape and dtype are taken in chunks of
+    :func:`projection_chunk` seeds: one call of the Gaussian loop for the chunk, the factors
+    of all its Grams by batched ``cholesky_ex``/``solve_triangular`` (LAPACK and BLAS matrix
+    by matrix), and the two products of each matrix as 2-D products of its own, so a
+    projection has the bits it has alone, in any batch and at any position.
     """
-    for out, seed in zip(outs, seeds, strict=True):
-        k, r = out.shape
-        if kind == "rademacher":
+    if kind == "rademacher":
+        for out, seed in zip(outs, seeds, strict=True):
+            k, r = out.shape
             words = random_words(k * r, seed, RADEMACHER_LABEL, 0, out.device).view(k, r)
             magnitude = torch.tensor(1.0 / math.sqrt(r), dtype=out.dtype, device=out.device)
             torch.where(words < 0, -magnitude, magnitude, out=out)
+        return
+    groups: dict[tuple, list[int]] = {}
+    for m, out in enumerate(outs):
+        groups.setdefault((tuple(out.shape), out.dtype, out.device), []).append(m)
+    if len(seeds) != len(outs):
+        raise ValueError(f"one seed per projection: {len(outs)} outputs, {len(seeds)} seeds")
+    for ((k, r), dtype, device), members in groups.items():
+        step = projection_chunk(k, r)
+        for start in range(0, len(members), step):
+            chunk = members[start:start + step]
+            g = _gaussians(k, r, [seeds[m] for m in chunk], device)[:, :, :r]
+            targets = [outs[m] for m in chunk]
+            if kind == "gaussian":
+                for out, x in zip(targets, g, strict=True):
+                    torch.div(x, math.sqrt(r), out=out)
+            else:
+                # Rounding to BF16 (relative 2**-9) swamps the ~1e-5 error of an FP32 Gram.
+                _orthonormal_into(targets, g, math.sqrt(k / r), dtype != torch.bfloat16)
+            del g  # before the next chunk's
+
+
+def _orthonormal_into(outs: list[torch.Tensor], g: torch.Tensor, scale: float,
+                      gram_fp64: bool) -> None:
+    """``outs[m] <- `` :func:`_orthonormalize_one` ``(g[m], scale, gram_fp64)``, rounded to
+    ``outs[m]``'s dtype, with its bits: for ``k >= 4 r`` each Gram and each product ``g R^-1``
+    is the 2-D product of that function, the Cholesky factors and their inverses are batched
+    (one LAPACK / BLAS call per matrix inside torch's loop); for ``k < 4 r``, matrix by
+    matrix. Temporaries: the ``[M, r, r]`` Grams and inverses, and one k x r product (FP32)
+    or float64 copy of one ``g[m]`` at a time."""
+    count, k, r = g.shape
+    if k < 4 * r:
+        for out, x in zip(outs, g, strict=True):
+            out.copy_(_orthonormalize_one(x, scale, gram_fp64))
+        return
+    gram = torch.empty(count, r, r, dtype=torch.float64 if gram_fp64 else torch.float32,
+                       device=g.device)
+    for x, target in zip(g, gram, strict=True):
+        xw = x.double() if gram_fp64 else x
+        torch.mm(xw.t(), xw, out=target)
+    inverse = _scaled_inverse_cholesky(gram, scale).to(torch.float32)
+    del gram
+    product = None
+    for out, x, inv in zip(outs, g, inverse, strict=True):
+        if out.dtype == torch.float32 and out.is_contiguous():
+            torch.mm(x, inv, out=out)
             continue
-        g = gaussian_matrices(k, r, [seed], out.device)
-        if kind == "gaussian":
-            torch.div(g[0], math.sqrt(r), out=out)
-        else:
-            # Rounding to BF16 (relative 2**-9) swamps the ~1e-5 error of an FP32 Gram.
-            out.copy_(_orthonormalize_one(g[0], math.sqrt(k / r), out.dtype != torch.bfloat16))
+        product = torch.mm(x, inv, out=product)
+        out.copy_(product)
 
 
 def _scaled_inverse_cholesky(gram: torch.Tensor, scale: float) -> torch.Tensor:
