@@ -207,11 +207,12 @@ def _inductor_options() -> dict:
 
 
 @functools.cache
-def _compiled(fn):
+def _compiled(fn, eager=None):
     """``fn`` compiled for the CPU (one vectorised loop), or where torch.compile cannot run
-    here ``fn`` itself, eagerly (~15x slower): every loop is elementwise torch code whose
-    float operations inductor neither reassociates nor contracts, so both give the same bits
-    (the tests compare them), whatever the user's dynamo settings.
+    here ``eager`` (default ``fn`` itself) run eagerly (~15x slower): every loop is
+    elementwise torch code whose float operations inductor neither reassociates nor
+    contracts, so both give the same bits (the tests compare them), whatever the user's dynamo
+    settings.
 
     Each :func:`_variant` of the arguments is compiled from a code object of its own, with
     sizes symbolic within it, under :func:`_isolated_dynamo`: no call recompiles a graph, so
@@ -225,6 +226,7 @@ def _compiled(fn):
     would run ``fn`` eagerly and only then raise (fullgraph found no frame), and as ``fn``
     may write in place a second, fallback run would apply it twice.
     """
+    eager = fn if eager is None else eager
     variants: dict[tuple, object] = {}
     failed = False
 
@@ -257,7 +259,7 @@ def _compiled(fn):
                               "eager torch ops (slower, the same bits)", RuntimeWarning,
                               stacklevel=2)
                 failed = True
-        return fn(*args)
+        return eager(*args)
     return run
 
 
