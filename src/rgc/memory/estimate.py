@@ -58,7 +58,7 @@ import torch.nn as nn
 
 from rgc.experts import expert_weight_names
 from rgc.nn import DEFAULT_TARGETS
-from rgc.ops.reference import projection_chunk
+from rgc.ops.reference import projection_chunk, sketch_stats_bytes
 from rgc.updates import resolve_chunk_rows
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
@@ -529,9 +529,13 @@ def _update_temp(d: int, k: int, r: int, chunk_rows: int | None, implementation:
     return 4 * k * r + rows * (k * UPDATE_BYTES_PER_CHUNK_ELEMENT + 4 * r)
 
 
-def _norm_temp(d: int, k: int, r: int) -> int:
-    # ||C P^T||^2 and finiteness (rgc.ops.sketch_stats): P in FP32, its Gram, C P^T P
-    return 4 * k * r + 4 * d * r + 4 * r * r
+def _norm_temp(d: int, k: int, r: int, experts: int = 1, implementation: str = "torch") -> int:
+    # ||C P^T||^2 and finiteness (rgc.ops.sketch_stats). The reference: float64 P, Gram and
+    # row values, a chunk of C in float64 (rgc.ops.reference.sketch_stats_bytes); the kernel:
+    # P in FP32, its Gram, C P^T P
+    if implementation == "triton":
+        return 4 * k * r + 4 * d * r + 4 * r * r
+    return sketch_stats_bytes(experts, d, k, r)
 
 
 def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None = None,
@@ -539,19 +543,21 @@ def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None = Non
                          experts: int = 1, projections: int = 1) -> int:
     """Largest transient of one RGCOptimizer update of a d x k weight at rank r, in bytes.
 
-    The largest of: ``||H||`` from the Gram matrix and the finiteness of C (an FP32 copy of P,
-    the Gram and C P^T P, multiplied by C in place: 4kr + 4dr + 4r^2); the update (4kr plus
+    The largest of: ``||H||`` from the Gram matrix and the finiteness of C (P, its Gram and
+    every row's value in float64, 8kr + 8r^2 + 8dr per stack, beside a float64 chunk of C and
+    of C G: :func:`rgc.ops.reference.sketch_stats_bytes`); the update (4kr plus
     :data:`UPDATE_BYTES_PER_CHUNK_ELEMENT` per chunk element); regenerating P after the step
     (about 8kr for BF16 weights, 16kr for FP32, 20kr when k < 4r; the reference regenerates
     ``projections`` of this shape, those of every target with this k, in chunks of
     :func:`rgc.ops.reference.projection_chunk`, with their G at once: 16kr per projection of
     a chunk while G is generated).
 
-    A stack of ``experts`` matrices takes the same step matrix by matrix: its largest
-    transient is one matrix's (``experts`` is accepted for the signature's symmetry).
+    A stack of ``experts`` matrices takes the same step matrix by matrix, but for the norms
+    of C, whose row values cover the whole stack.
     """
     return UPDATE_SCALAR_BYTES + max(
-        _norm_temp(d, k, r), _update_temp(d, k, r, chunk_rows, implementation),
+        _norm_temp(d, k, r, experts, implementation),
+        _update_temp(d, k, r, chunk_rows, implementation),
         _refresh_temp(k, r, weight_itemsize, implementation, projections))
 
 
@@ -576,7 +582,8 @@ def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None =
         old_projections = k * r * weight_itemsize
     carry = max(16 * k * r + 16 * r * r, 8 * k * r + 12 * r * r + 4 * dr)
     return UPDATE_SCALAR_BYTES + max(
-        8 * dr, _norm_temp(d, k, r), _update_temp(d, k, r, chunk_rows, implementation),
+        8 * dr, _norm_temp(d, k, r, experts, implementation),
+        _update_temp(d, k, r, chunk_rows, implementation),
         old_projections + max(_refresh_temp(k, r, weight_itemsize, implementation, projections),
                               carry))
 

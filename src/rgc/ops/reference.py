@@ -20,6 +20,7 @@ import contextlib
 import functools
 import itertools
 import math
+import os
 import types
 import warnings
 
@@ -162,6 +163,22 @@ def pairwise_sums(x: torch.Tensor, *, square: bool = False) -> torch.Tensor:
     return out
 
 
+def pairwise_sums_bytes(rows: int, n: int, *, itemsize: int = 4, square: bool = False,
+                        input_itemsize: int | None = None, cpu: bool = True) -> int:
+    """Peak bytes :func:`pairwise_sums` allocates (as a dispatch-level tracker sees them) for
+    ``rows`` rows of ``n`` elements summed in ``itemsize`` bytes: the result, plus on the eager
+    path one chunk's temporaries (the conversion and squares where ``square`` or another input
+    dtype, the padded copy and its first half). The compiled loop runs unseen, its buffers
+    within :data:`PAIRWISE_CHUNK` padded elements."""
+    width = pairwise_width(n)
+    out = itemsize * rows
+    if rows == 0 or n == 0 or (cpu and rows * width >= PAIRWISE_COMPILED_MIN):
+        return out
+    chunk = min(rows, max(1, PAIRWISE_EAGER_CHUNK // width))
+    converted = itemsize * chunk * n * ((input_itemsize not in (None, itemsize)) + square)
+    return out + converted + itemsize * chunk * width * 3 // 2
+
+
 def _variant(args) -> tuple:
     """What a compiled loop's graph is specialised on besides sizes: dtypes, ranks, sizes of
     1, contiguity and inference-mode creation of the tensor arguments, the values of the
@@ -185,6 +202,12 @@ def _isolated_dynamo():
     stack.enter_context(torch._dynamo.config.patch(error_on_recompile=False))
     stack.enter_context(fx_config.patch(use_duck_shape=False))
     return stack
+
+
+def _dynamo_disabled() -> bool:
+    """Dynamo switched off: by its config, or by ``TORCHDYNAMO_DISABLE=1``, under which
+    torch.compile returns the function unchanged (torch 2.13 reads it there)."""
+    return torch._dynamo.config.disable or os.environ.get("TORCHDYNAMO_DISABLE") == "1"
 
 
 @functools.cache
@@ -251,7 +274,7 @@ def _compiled(fn, eager=None):
         if _python_dispatch._get_current_dispatch_mode() is not None:
             with _python_dispatch._disable_current_modes():
                 return run(*args)
-        if not failed and not torch._dynamo.config.disable:
+        if not failed and not _dynamo_disabled():
             try:
                 return compiled(args)
             except Exception as exc:  # no C++ compiler, unsupported platform
@@ -349,13 +372,12 @@ def _polynomial(x: torch.Tensor, names: list[str]) -> torch.Tensor:
     return p + 1.0
 
 
-def _rho(w0: torch.Tensor, sqrt32: bool = False) -> torch.Tensor:
+def _rho(w0: torch.Tensor) -> torch.Tensor:
     """``sqrt(-2 ln u)`` for ``u = (w0 + 1) 2^-24`` (w0: 24-bit int32).
 
     The square root is correctly rounded: the float64 one rounded to float32 (53 >= 2 * 24 + 2
-    bits), or with ``sqrt32`` the float32 one, for the compiled loop only (the IEEE
-    instruction; torch's eager float32 sqrt is not correctly rounded on the CPU, 15% of values
-    one unit off). Both give the same bits; the tests compare them on every ``w0``."""
+    bits). Not torch's float32 one, which is not correctly rounded in eager CPU code (15% of
+    values one unit off), so its bits would differ between a compiled and an eager loop."""
     # u = 2^(e - 24) f with f in [sqrt(1/2), sqrt(2)), by exact integer and power-of-two steps
     x = w0 + 1
     e = torch.zeros_like(x)  # floor(log2 x), x <= 2^24: a binary search on the bits
@@ -371,8 +393,6 @@ def _rho(w0: torch.Tensor, sqrt32: bool = False) -> torch.Tensor:
     e = (e + big.to(torch.int32) - 24).to(torch.float32)
     s = (f - 1.0) / (f + 1.0)
     ln_u = e * _bm("LN2") + (s * 2.0) * _polynomial(s * s, ["L4", "L3", "L2", "L1"])
-    if sqrt32:
-        return (ln_u * -2.0).sqrt()
     return (ln_u * -2.0).double().sqrt().to(torch.float32)
 
 
@@ -395,8 +415,7 @@ def _polar(rho: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return cos * rho, sin * rho
 
 
-def _gaussian_pairs(cos_out: torch.Tensor, sin_out: torch.Tensor, keys: torch.Tensor,
-                    sqrt32: bool = False) -> None:
+def _gaussian_pairs(cos_out: torch.Tensor, sin_out: torch.Tensor, keys: torch.Tensor) -> None:
     """``cos_out[m, i], sin_out[m, i] = box_muller(w0, w1)`` (``[M, n]`` FP32, contiguous)
     of the words of indices ``keys[m, 0, 0] + i`` and ``keys[m, 1, 0] + i`` keyed by
     ``keys[m, :, 1:]`` (the seed words; ``keys``: ``[M, 2, 3]`` int32, additions wrap mod
@@ -404,7 +423,7 @@ def _gaussian_pairs(cos_out: torch.Tensor, sin_out: torch.Tensor, keys: torch.Te
     n = torch.arange(cos_out.shape[1], dtype=torch.int32, device=cos_out.device)
     w0 = _mix32(_mix32((n + keys[:, 0, :1]) ^ keys[:, 0, 1:2]) ^ keys[:, 0, 2:])
     w1 = _mix32(_mix32((n + keys[:, 1, :1]) ^ keys[:, 1, 1:2]) ^ keys[:, 1, 2:])
-    cos, sin = _polar(_rho((w0 >> 8) & 0xFFFFFF, sqrt32), (w1 >> 8) & 0xFFFFFF)
+    cos, sin = _polar(_rho((w0 >> 8) & 0xFFFFFF), (w1 >> 8) & 0xFFFFFF)
     cos_out.copy_(cos)
     sin_out.copy_(sin)
 
@@ -414,9 +433,9 @@ def _gaussian_pairs_compiled(cos_out: torch.Tensor, sin_out: torch.Tensor,
     """:func:`_gaussian_pairs` as the CPU compiles it (:func:`_compiled`): one loop for the
     whole pipeline and every seed of a chunk, whose float operations are the eager ones one by
     one (inductor neither reassociates nor fuses multiply-adds: ``-ffp-contract=off``, no
-    unsafe math) but for the correctly rounded float32 square root (:func:`_rho`), so the
-    bits are the same; the tests compare the two."""
-    _gaussian_pairs(cos_out, sin_out, keys, True)
+    unsafe math), so the bits are the same, and the same function run eagerly (dynamo off,
+    a user's ``force_eager`` stance) gives them too; the tests compare the two."""
+    _gaussian_pairs(cos_out, sin_out, keys)
 
 
 def _gaussian_pairs_blocked(cos_out: torch.Tensor, sin_out: torch.Tensor,
@@ -711,6 +730,15 @@ SKETCH_STATS_CHUNK = 1 << 15
 def sketch_stats_rows(r: int) -> int:
     """Rows of C (over all matrices of a stack) per float64 chunk of :func:`sketch_stats`."""
     return max(1, SKETCH_STATS_CHUNK // max(1, r))
+
+
+def sketch_stats_bytes(e: int, d: int, k: int, r: int) -> int:
+    """Peak temporary bytes of :func:`sketch_stats` on one stack of ``e`` sketches d x r with a
+    k x r projection: P and its Gram in float64, the float64 row values, then the larger of a
+    chunk's ``C``, ``C G`` and their row sums, and the sum over the rows."""
+    rows = min(e * d, sketch_stats_rows(r))
+    chunk = 16 * rows * r + pairwise_sums_bytes(rows, r, itemsize=8)
+    return 8 * k * r + 8 * r * r + 8 * e * d + max(chunk, pairwise_sums_bytes(e, d, itemsize=8))
 
 
 @torch.no_grad()
