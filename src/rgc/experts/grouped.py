@@ -73,13 +73,36 @@ def _ranges(offs: torch.Tensor):
         start = end
 
 
+def _traced_native_ok(*tensors: torch.Tensor) -> bool:
+    """:func:`native_ok`, and under torch.compile BF16 only: torch 2.13's meta kernel of the
+    grouped GEMM refuses other dtypes that its CPU kernel runs."""
+    return native_ok(*tensors) and (not torch.compiler.is_compiling()
+                                    or tensors[0].dtype == torch.bfloat16)
+
+
+def _expert_masks(offs: torch.Tensor, rows: int):
+    """``(e, mask)`` per expert, ``mask`` [rows] true on its rows: static shapes, no host read
+    (what torch.compile traces where the grouped GEMM is not available)."""
+    index = torch.arange(rows, device=offs.device)
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
+    for e in range(offs.shape[0]):
+        yield e, (index >= starts[e]) & (index < offs[e])
+
+
 def grouped_mm(x: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``out[rows of e] = x[rows of e] @ b[e]``: ``x`` [S, k], ``b`` [E, k, d] -> [S, d].
 
-    Same dtype for both operands and the result. Rows past ``offs[-1]`` are not written.
+    Same dtype for both operands and the result. Rows past ``offs[-1]`` are not written
+    (zeros under torch.compile without the grouped GEMM, where every expert multiplies every
+    row and a select keeps its own: E times the arithmetic, shapes static).
     """
-    if native_ok(x, b):
+    if _traced_native_ok(x, b):
         return _GROUPED_MM(x, b, offs=offs)
+    if torch.compiler.is_compiling():
+        out = x.new_zeros(x.shape[0], b.shape[-1])
+        for e, mask in _expert_masks(offs, x.shape[0]):
+            out = torch.where(mask[:, None], x @ b[e], out)
+        return out
     out = x.new_empty(x.shape[0], b.shape[-1])
     for e, start, end in _ranges(offs):
         torch.mm(x[start:end], b[e], out=out[start:end])
@@ -92,8 +115,12 @@ def grouped_sketch(g: torch.Tensor, xp: torch.Tensor, offs: torch.Tensor) -> tor
     An expert without rows gets zeros. Contiguous result.
     """
     num_experts = offs.shape[0]
-    if g.dtype == xp.dtype == torch.float32 and native_ok(g.t(), xp):
+    if g.dtype == xp.dtype == torch.float32 and _traced_native_ok(g.t(), xp):
         return _GROUPED_MM(g.t(), xp, offs=offs).contiguous()
+    if torch.compiler.is_compiling():
+        g32, xp32 = g.to(torch.float32), xp.to(torch.float32)
+        return torch.stack([torch.where(mask[:, None], g32, 0.0).t() @ xp32
+                            for _, mask in _expert_masks(offs, g.shape[0])])
     out = torch.zeros(num_experts, g.shape[-1], xp.shape[-1], dtype=torch.float32,
                       device=g.device)
     for e, start, end in _ranges(offs):

@@ -324,8 +324,14 @@ def sketched_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
     expert_ids = top_k_index.reshape(-1)
     expert_sorted, perm = torch.sort(expert_ids)
     token_of_row = perm // num_top_k
-    counts = torch.bincount(expert_ids, minlength=module.num_experts)
-    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    # rows per expert in a tensor of static shape (bincount's depends on the data, a graph
+    # break under torch.compile); an id past the last expert, if a family emits one for a
+    # dropped slot, is counted apart and its rows lie past offs[-1], where nothing is written
+    num_experts = module.num_experts
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=expert_ids.device)
+    counts.scatter_add_(0, expert_ids.clamp(0, num_experts).long(),
+                        torch.ones_like(expert_ids, dtype=torch.int64))
+    offs = torch.cumsum(counts[:num_experts], dim=0, dtype=torch.int32)
 
     x = hidden_states.to(up.dtype)
     up_owner = owners.get(up_name)

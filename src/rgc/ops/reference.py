@@ -151,8 +151,9 @@ def pairwise_sums(x: torch.Tensor, *, square: bool = False) -> torch.Tensor:
     width = pairwise_width(n)
     if x.device.type == "cpu" and out.numel() * width >= PAIRWISE_COMPILED_MIN:
         run, step = _compiled(_halving_sums), max(1, PAIRWISE_CHUNK // width)
-    else:
-        run, step = _halving_sums, max(1, PAIRWISE_EAGER_CHUNK // width)
+    else:  # and at most half a matrix's rows: no temporary as large as the matrix
+        half = (x.shape[-2] + 1) // 2 if x.dim() > 1 else 1
+        run, step = _halving_sums, max(1, min(PAIRWISE_EAGER_CHUNK // width, half))
     rows = _rows_view(x.detach())
     blocks = [(rows, out.view(-1))] if rows is not None else [
         (x.detach()[index], out[index]) for index in itertools.product(
@@ -164,17 +165,20 @@ def pairwise_sums(x: torch.Tensor, *, square: bool = False) -> torch.Tensor:
 
 
 def pairwise_sums_bytes(rows: int, n: int, *, itemsize: int = 4, square: bool = False,
-                        input_itemsize: int | None = None, cpu: bool = True) -> int:
+                        input_itemsize: int | None = None, cpu: bool = True,
+                        matrix_rows: int | None = None) -> int:
     """Peak bytes :func:`pairwise_sums` allocates (as a dispatch-level tracker sees them) for
     ``rows`` rows of ``n`` elements summed in ``itemsize`` bytes: the result, plus on the eager
     path one chunk's temporaries (the conversion and squares where ``square`` or another input
     dtype, the padded copy and its first half). The compiled loop runs unseen, its buffers
-    within :data:`PAIRWISE_CHUNK` padded elements."""
+    within :data:`PAIRWISE_CHUNK` padded elements. ``matrix_rows``: the size of the input's
+    second-to-last dimension (default ``rows``)."""
+    matrix_rows = rows if matrix_rows is None else matrix_rows
     width = pairwise_width(n)
     out = itemsize * rows
     if rows == 0 or n == 0 or (cpu and rows * width >= PAIRWISE_COMPILED_MIN):
         return out
-    chunk = min(rows, max(1, PAIRWISE_EAGER_CHUNK // width))
+    chunk = min(rows, max(1, PAIRWISE_EAGER_CHUNK // width), (matrix_rows + 1) // 2)
     converted = itemsize * chunk * n * ((input_itemsize not in (None, itemsize)) + square)
     return out + converted + itemsize * chunk * width * 3 // 2
 
@@ -738,7 +742,8 @@ def sketch_stats_bytes(e: int, d: int, k: int, r: int) -> int:
     chunk's ``C``, ``C G`` and their row sums, and the sum over the rows."""
     rows = min(e * d, sketch_stats_rows(r))
     chunk = 16 * rows * r + pairwise_sums_bytes(rows, r, itemsize=8)
-    return 8 * k * r + 8 * r * r + 8 * e * d + max(chunk, pairwise_sums_bytes(e, d, itemsize=8))
+    over_rows = pairwise_sums_bytes(e, d, itemsize=8, matrix_rows=e)
+    return 8 * k * r + 8 * r * r + 8 * e * d + max(chunk, over_rows)
 
 
 @torch.no_grad()
