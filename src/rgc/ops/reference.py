@@ -151,9 +151,9 @@ def pairwise_sums(x: torch.Tensor, *, square: bool = False) -> torch.Tensor:
     width = pairwise_width(n)
     if x.device.type == "cpu" and out.numel() * width >= PAIRWISE_COMPILED_MIN:
         run, step = _compiled(_halving_sums), max(1, PAIRWISE_CHUNK // width)
-    else:  # and at most half a matrix's rows: no temporary as large as the matrix
-        half = (x.shape[-2] + 1) // 2 if x.dim() > 1 else 1
-        run, step = _halving_sums, max(1, min(PAIRWISE_EAGER_CHUNK // width, half))
+    else:  # and at most a quarter of a matrix's rows: FP32 temporaries below its BF16 size
+        quarter = x.shape[-2] // 4 if x.dim() > 1 else 1
+        run, step = _halving_sums, max(1, min(PAIRWISE_EAGER_CHUNK // width, quarter))
     rows = _rows_view(x.detach())
     blocks = [(rows, out.view(-1))] if rows is not None else [
         (x.detach()[index], out[index]) for index in itertools.product(
@@ -178,7 +178,7 @@ def pairwise_sums_bytes(rows: int, n: int, *, itemsize: int = 4, square: bool = 
     out = itemsize * rows
     if rows == 0 or n == 0 or (cpu and rows * width >= PAIRWISE_COMPILED_MIN):
         return out
-    chunk = min(rows, max(1, PAIRWISE_EAGER_CHUNK // width), (matrix_rows + 1) // 2)
+    chunk = min(rows, max(1, min(PAIRWISE_EAGER_CHUNK // width, matrix_rows // 4)))
     converted = itemsize * chunk * n * ((input_itemsize not in (None, itemsize)) + square)
     return out + converted + itemsize * chunk * width * 3 // 2
 
