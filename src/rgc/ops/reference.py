@@ -164,25 +164,6 @@ def pairwise_sums(x: torch.Tensor, *, square: bool = False) -> torch.Tensor:
     return out
 
 
-def pairwise_sums_bytes(rows: int, n: int, *, itemsize: int = 4, square: bool = False,
-                        input_itemsize: int | None = None, cpu: bool = True,
-                        matrix_rows: int | None = None) -> int:
-    """Peak bytes :func:`pairwise_sums` allocates (as a dispatch-level tracker sees them) for
-    ``rows`` rows of ``n`` elements summed in ``itemsize`` bytes: the result, plus on the eager
-    path one chunk's temporaries (the conversion and squares where ``square`` or another input
-    dtype, the padded copy and its first half). The compiled loop runs unseen, its buffers
-    within :data:`PAIRWISE_CHUNK` padded elements. ``matrix_rows``: the size of the input's
-    second-to-last dimension (default ``rows``)."""
-    matrix_rows = rows if matrix_rows is None else matrix_rows
-    width = pairwise_width(n)
-    out = itemsize * rows
-    if rows == 0 or n == 0 or (cpu and rows * width >= PAIRWISE_COMPILED_MIN):
-        return out
-    chunk = min(rows, max(1, min(PAIRWISE_EAGER_CHUNK // width, matrix_rows // 4)))
-    converted = itemsize * chunk * n * ((input_itemsize not in (None, itemsize)) + square)
-    return out + converted + itemsize * chunk * width * 3 // 2
-
-
 def _variant(args) -> tuple:
     """What a compiled loop's graph is specialised on besides sizes: dtypes, ranks, sizes of
     1, contiguity and inference-mode creation of the tensor arguments, the values of the
@@ -242,9 +223,10 @@ def _compiled(fn, eager=None):
     settings.
 
     Each :func:`_variant` of the arguments is compiled from a code object of its own, with
-    sizes symbolic within it, under :func:`_isolated_dynamo`: no call recompiles a graph, so
-    a user's ``error_on_recompile``, a low ``recompile_limit`` or many shapes never show rgc
-    in their dynamo logs, nor change its bits.
+    sizes symbolic within it, traced under :func:`_isolated_dynamo`: no call recompiles a
+    graph, so a user's ``error_on_recompile``, a low ``recompile_limit`` or many shapes never
+    show rgc in their dynamo logs; should a call fail anyway, the eager loop takes over with
+    the same bits.
 
     Under a dispatch mode (rgc's memory tracker, the tests' counters), which torch.compile
     does not trace, the loop runs with the modes switched off: one opaque computation that
@@ -270,8 +252,9 @@ def _compiled(fn, eager=None):
                                       fn.__defaults__, fn.__closure__)
             variants[key] = torch.compile(code, dynamic=True, fullgraph=True,
                                           options=_inductor_options())
-        with _isolated_dynamo():
-            return variants[key](*args)
+            with _isolated_dynamo():  # its first call traces it: the settings of its guards
+                return variants[key](*args)
+        return variants[key](*args)
 
     def run(*args):
         nonlocal failed
@@ -638,12 +621,13 @@ def _scaled_inverse_cholesky(gram: torch.Tensor, scale: float) -> torch.Tensor:
 
 # -- the update and the norms ---------------------------------------------------------------
 
-def _sq_sums(w3: torch.Tensor) -> torch.Tensor:
-    """``||W_e||_F^2`` of a stack ``[E, d, k]`` (any strides), ``[E]`` FP32: the one reduction
-    of :func:`sum_squares` and of :func:`lowrank_update_`'s norms. Each row's squares, then
-    the d row sums, are added in the fixed order of :func:`pairwise_sums`, so the bits depend
-    only on the values and the shape."""
-    return pairwise_sums(pairwise_sums(w3, square=True))
+def _sq_sums_into(stacks: list[torch.Tensor], out: torch.Tensor) -> None:
+    """``out[m, e] = ||W_e||_F^2`` of each stack ``[E, d, k]`` (any strides), FP32: the one
+    reduction of :func:`sum_squares` and of :func:`lowrank_update_`'s norms. Each row's
+    squares, then the d row sums, are added in the fixed order of :func:`pairwise_sums`, so
+    the bits depend only on the values and the shape."""
+    for m, w3 in enumerate(stacks):
+        out[m] = pairwise_sums(pairwise_sums(w3, square=True))
 
 
 def _write_rows(rows: torch.Tensor, h: torch.Tensor, factor: torch.Tensor | None, *,
@@ -708,8 +692,8 @@ def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
                             offset=offsets[m] + (e * d + start) * row_lengths[m],
                             row_length=row_lengths[m], stochastic_rounding=stochastic_rounding)
                 del h  # before the next chunk's: one chunk of FP32 at a time
-        if sq_norms is not None:
-            sq_norms[m] = _sq_sums(w3)
+    if sq_norms is not None:
+        _sq_sums_into(weights, sq_norms)
 
 
 @torch.no_grad()
@@ -722,28 +706,24 @@ def sum_squares(weights: list[torch.Tensor], chunk_rows: int) -> torch.Tensor:
         return torch.zeros(0, 0, dtype=torch.float32)
     out = torch.zeros(len(weights), weights[0].shape[0], dtype=torch.float32,
                       device=weights[0].device)
-    for m, w3 in enumerate(weights):
-        out[m] = _sq_sums(w3)
+    _sq_sums_into(weights, out)
     return out
 
 
 #: Elements of C that :func:`sketch_stats` converts to float64 at once.
-SKETCH_STATS_CHUNK = 1 << 15
+SKETCH_STATS_CHUNK = 1 << 16
 
 
 def sketch_stats_rows(r: int) -> int:
-    """Rows of C (over all matrices of a stack) per float64 chunk of :func:`sketch_stats`."""
+    """Rows of C per float64 chunk of :func:`sketch_stats`."""
     return max(1, SKETCH_STATS_CHUNK // max(1, r))
 
 
 def sketch_stats_bytes(e: int, d: int, k: int, r: int) -> int:
     """Peak temporary bytes of :func:`sketch_stats` on one stack of ``e`` sketches d x r with a
-    k x r projection: P and its Gram in float64, the float64 row values, then the larger of a
-    chunk's ``C``, ``C G`` and their row sums, and the sum over the rows."""
-    rows = min(e * d, sketch_stats_rows(r))
-    chunk = 16 * rows * r + pairwise_sums_bytes(rows, r, itemsize=8)
-    over_rows = pairwise_sums_bytes(e, d, itemsize=8, matrix_rows=e)
-    return 8 * k * r + 8 * r * r + 8 * e * d + max(chunk, over_rows)
+    k x r projection: P, its Gram and ``C^T C`` in float64, a float64 chunk of C's rows, and
+    the matrices' sums."""
+    return 8 * k * r + 16 * r * r + 8 * min(d, sketch_stats_rows(r)) * r + 8 * e
 
 
 @torch.no_grad()
@@ -751,35 +731,34 @@ def sketch_stats(sketches: list[torch.Tensor], projections: list[torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(||C_e P^T||_F^2, all(isfinite(C_e)))`` per matrix, ``[M, E]`` FP32 and bool.
 
-    ``||C P^T||_F^2 = trace(C (P^T P) C^T)`` from the r x r Gram (no k-sized temporary), in
-    float64: the Gram and ``C G`` from FP32 values whose products are exact there, ``(C G) * C``
-    added row by row and then over the rows in the order of :func:`pairwise_sums`, rounded
+    ``||C P^T||_F^2 = trace((P^T P) (C^T C))`` from two r x r Grams (no k- or d-sized
+    product), in float64: products of FP32 values are exact there, and the result is rounded
     once to FP32 and clamped at 0. Its FP32 bits therefore do not depend on the order in which
-    the platform's GEMMs add (their float64 rounding is ~2**29 times finer than the FP32
-    result's). Finite where every row's float64 value is. sketches[m]: ``[E, d, r]`` FP32,
+    the platform's GEMMs and sums add (their float64 rounding is ~2**29 times finer than the
+    FP32 result's). Finite exactly where C is: a finite C cannot overflow float64 here, and an
+    inf or NaN in C reaches the diagonal of ``C^T C``. sketches[m]: ``[E, d, r]`` FP32,
     projections[m]: ``[k, r]``; C is converted :func:`sketch_stats_rows` rows at a time.
     """
     if not sketches:
         empty = torch.zeros(0, 0)
         return empty, empty.bool()
-    h2, finite = [], []
+    h2 = []
     for c3, p in zip(sketches, projections, strict=True):
         p64 = p.to(torch.float64)
         gram = p64.t() @ p64
         e, d, r = c3.shape
-        rows = torch.empty(e, d, dtype=torch.float64, device=c3.device)
-        flat = _rows_view(c3)
-        blocks = [(flat, rows.view(-1))] if flat is not None else list(zip(c3, rows))
         step = sketch_stats_rows(r)
-        for c2, out in blocks:
-            for start in range(0, c2.shape[0], step):
+        totals = []
+        for c2 in c3:
+            ctc = torch.zeros(r, r, dtype=torch.float64, device=c3.device)
+            for start in range(0, d, step):
                 c = c2[start:start + step].to(torch.float64)
-                out[start:start + step] = pairwise_sums((c @ gram).mul_(c))
-        h2.append(pairwise_sums(rows).to(torch.float32).clamp_min(0))
-        # a finite C cannot overflow float64 here, and an inf or NaN in C makes its row's value
-        # inf or NaN (the Gram's diagonal is positive)
-        finite.append(torch.isfinite(rows).all(dim=1))
-    return torch.stack(h2), torch.stack(finite)
+                ctc.addmm_(c.t(), c)
+                del c  # before the next chunk's
+            totals.append(ctc.mul_(gram).sum())
+        h2.append(torch.stack(totals) if totals else c3.new_zeros(0, dtype=torch.float64))
+    h2 = torch.stack(h2)
+    return h2.to(torch.float32).clamp_min_(0), torch.isfinite(h2)
 
 
 # -- RowAdam's moments ----------------------------------------------------------------------
