@@ -39,7 +39,9 @@ from rgc.distributed import (
 from rgc.updates import apply_lowrank_update_
 from tests.test_step_sync import CountSyncs
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+# slow as a whole: its runs fixture starts eight processes (~30 s) before any test
+pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable"),
+              pytest.mark.slow]
 
 RANK = 4
 STEPS = 10
