@@ -59,6 +59,16 @@ def _worker_threads() -> int | None:
 
 
 def pytest_configure(config):
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if capability and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        # torch 2.13's inductor cache does not key its entries on the capability: code built
+        # for the machine's own vector width, run under another, computes garbage. A cache of
+        # its own per capability (inherited by the processes the tests start).
+        import getpass
+        import tempfile
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+            tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{capability}")
     threads = _worker_threads()
     if threads is not None:
         import torch
