@@ -698,8 +698,9 @@ def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
 
 @torch.no_grad()
 def sum_squares(weights: list[torch.Tensor], chunk_rows: int) -> torch.Tensor:
-    """``||W_e||_F^2`` of every matrix of every stack, ``[M, E]`` FP32, by one compiled
-    reduction per stack on the CPU (FP32, no FP32 copy of W; ``chunk_rows`` is the kernels').
+    """``||W_e||_F^2`` of every matrix of every stack, ``[M, E]`` FP32, in the fixed order of
+    :func:`pairwise_sums` (rows, then row sums; a chunk of rows in FP32 at a time;
+    ``chunk_rows`` is the kernels').
 
     weights[m]: ``[E, d, k]`` (same E for all m)."""
     if not weights:
