@@ -530,9 +530,9 @@ def _update_temp(d: int, k: int, r: int, chunk_rows: int | None, implementation:
 
 
 def _norm_temp(d: int, k: int, r: int, experts: int = 1, implementation: str = "torch") -> int:
-    # ||C P^T||^2 and finiteness (rgc.ops.sketch_stats). The reference: float64 P, Gram and
-    # row values, a chunk of C in float64 (rgc.ops.reference.sketch_stats_bytes); the kernel:
-    # P in FP32, its Gram, C P^T P
+    # ||C P^T||^2 and finiteness (rgc.ops.sketch_stats). The reference: P, its Gram, C^T C
+    # and a chunk of C in float64 (rgc.ops.reference.sketch_stats_bytes); the kernel: P in
+    # FP32, its Gram, C P^T P
     if implementation == "triton":
         return 4 * k * r + 4 * d * r + 4 * r * r
     return sketch_stats_bytes(experts, d, k, r)
@@ -543,17 +543,17 @@ def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None = Non
                          experts: int = 1, projections: int = 1) -> int:
     """Largest transient of one RGCOptimizer update of a d x k weight at rank r, in bytes.
 
-    The largest of: ``||H||`` from the Gram matrix and the finiteness of C (P, its Gram and
-    every row's value in float64, 8kr + 8r^2 + 8dr per stack, beside a float64 chunk of C and
-    of C G: :func:`rgc.ops.reference.sketch_stats_bytes`); the update (4kr plus
+    The largest of: ``||H||`` from the Grams and the finiteness of C (P, ``P^T P`` and
+    ``C^T C`` in float64, 8kr + 16r^2, beside a float64 chunk of C's rows:
+    :func:`rgc.ops.reference.sketch_stats_bytes`); the update (4kr plus
     :data:`UPDATE_BYTES_PER_CHUNK_ELEMENT` per chunk element); regenerating P after the step
     (about 8kr for BF16 weights, 16kr for FP32, 20kr when k < 4r; the reference regenerates
     ``projections`` of this shape, those of every target with this k, in chunks of
     :func:`rgc.ops.reference.projection_chunk`, with their G at once: 16kr per projection of
     a chunk while G is generated).
 
-    A stack of ``experts`` matrices takes the same step matrix by matrix, but for the norms
-    of C, whose row values cover the whole stack.
+    A stack of ``experts`` matrices takes the same step matrix by matrix: its largest
+    transient is one matrix's, but for one float64 sum per expert.
     """
     return UPDATE_SCALAR_BYTES + max(
         _norm_temp(d, k, r, experts, implementation),

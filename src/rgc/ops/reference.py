@@ -177,10 +177,10 @@ def _variant(args) -> tuple:
 
 
 def _isolated_dynamo():
-    """The dynamo settings rgc's loops are compiled and called under, whatever the user set:
-    no duck sizing (two sizes equal at the first call must not become one symbol, which a
-    later call would fail as a guard) and no error on a recompile (there is none to expect:
-    every variant has its own code object; should one happen, it stays rgc's business)."""
+    """The dynamo settings a loop's variant is traced under (its first call), whatever the
+    user set: no duck sizing (two sizes equal at the first call must not become one symbol,
+    which a later call would fail as a guard) and no error on a recompile (there is none to
+    expect: every variant has its own code object)."""
     import torch.fx.experimental._config as fx_config
 
     stack = contextlib.ExitStack()
@@ -231,9 +231,8 @@ def _compiled(fn, eager=None):
     Under a dispatch mode (rgc's memory tracker, the tests' counters), which torch.compile
     does not trace, the loop runs with the modes switched off: one opaque computation that
     writes its output and allocates nothing seen, with the bits it has outside the mode. With
-    dynamo disabled (``TORCHDYNAMO_DISABLE=1``) the eager function runs: the compiled wrapper
-    would run ``fn`` eagerly and only then raise (fullgraph found no frame), and as ``fn``
-    may write in place a second, fallback run would apply it twice.
+    dynamo disabled (its config, or ``TORCHDYNAMO_DISABLE=1``, under which torch.compile
+    returns ``fn`` unchanged) ``eager`` runs, not ``fn`` on a whole chunk.
     """
     eager = fn if eager is None else eager
     variants: dict[tuple, object] = {}
@@ -406,23 +405,17 @@ def _gaussian_pairs(cos_out: torch.Tensor, sin_out: torch.Tensor, keys: torch.Te
     """``cos_out[m, i], sin_out[m, i] = box_muller(w0, w1)`` (``[M, n]`` FP32, contiguous)
     of the words of indices ``keys[m, 0, 0] + i`` and ``keys[m, 1, 0] + i`` keyed by
     ``keys[m, :, 1:]`` (the seed words; ``keys``: ``[M, 2, 3]`` int32, additions wrap mod
-    2**32). Elementwise: a seed's pairs do not depend on the other seeds."""
+    2**32). Elementwise: a seed's pairs do not depend on the other seeds. On the CPU one
+    compiled loop for the whole pipeline and every seed of a chunk (:func:`_gaussian_loop`),
+    whose float operations are the eager ones one by one (inductor neither reassociates nor
+    fuses multiply-adds: ``-ffp-contract=off``, no unsafe math), so the bits are the same
+    whether it runs compiled or eagerly; the tests compare the two."""
     n = torch.arange(cos_out.shape[1], dtype=torch.int32, device=cos_out.device)
     w0 = _mix32(_mix32((n + keys[:, 0, :1]) ^ keys[:, 0, 1:2]) ^ keys[:, 0, 2:])
     w1 = _mix32(_mix32((n + keys[:, 1, :1]) ^ keys[:, 1, 1:2]) ^ keys[:, 1, 2:])
     cos, sin = _polar(_rho((w0 >> 8) & 0xFFFFFF), (w1 >> 8) & 0xFFFFFF)
     cos_out.copy_(cos)
     sin_out.copy_(sin)
-
-
-def _gaussian_pairs_compiled(cos_out: torch.Tensor, sin_out: torch.Tensor,
-                             keys: torch.Tensor) -> None:
-    """:func:`_gaussian_pairs` as the CPU compiles it (:func:`_compiled`): one loop for the
-    whole pipeline and every seed of a chunk, whose float operations are the eager ones one by
-    one (inductor neither reassociates nor fuses multiply-adds: ``-ffp-contract=off``, no
-    unsafe math), so the bits are the same, and the same function run eagerly (dynamo off,
-    a user's ``force_eager`` stance) gives them too; the tests compare the two."""
-    _gaussian_pairs(cos_out, sin_out, keys)
 
 
 def _gaussian_pairs_blocked(cos_out: torch.Tensor, sin_out: torch.Tensor,
@@ -443,7 +436,7 @@ def _gaussian_loop(device: torch.device):
     """The pair loop of ``device``: compiled on the CPU (eager blocks where torch.compile
     cannot run), eager blocks elsewhere."""
     if device.type == "cpu":
-        return _compiled(_gaussian_pairs_compiled, _gaussian_pairs_blocked)
+        return _compiled(_gaussian_pairs, _gaussian_pairs_blocked)
     return _gaussian_pairs_blocked
 
 
@@ -777,9 +770,11 @@ def row_adam_(sketches: list[torch.Tensor], exp_avgs: list[torch.Tensor],
     sketches[m], exp_avgs[m]: ``[E, d, r]`` FP32 (S, m); exp_avg_sqs[m]: ``[E, d]`` FP32 (v);
     active: ``[M, E]`` bool; steps: ``[M, E]`` int64, the applied-update count t. Elsewhere m
     and v keep their bits (a select); U is written everywhere (where inactive it may not be
-    finite: the caller gives it coefficient 0). FP32 arithmetic, one torch operation per
-    stack and step of the formula, the bias corrections ``1 - b^t`` formed in float64 and
-    rounded to FP32: RowAdam's bits since its first version. U takes the sketch's storage.
+    finite: the caller gives it coefficient 0). FP32 arithmetic, each product, sum and
+    quotient rounded once (no fused multiply-add), ``mean_j`` the :func:`pairwise_sums` of the
+    row divided by r, the square root through float64 (correctly rounded), the bias
+    corrections ``1 - b^t`` formed in float64 and rounded to FP32: the same bits on every CPU.
+    U takes the sketch's storage.
     """
     for s, m, v, ok, t in zip(sketches, exp_avgs, exp_avg_sqs, active, steps, strict=True):
         g = -s if maximize else s
