@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import rgc
 import rgc.ops.reference
-from rgc.optim.rowadam import carry_moment
+from rgc.optim.rules import carry_moment
 from rgc.sketched import SketchedWeight
 from tests.halving import halving_sums
 

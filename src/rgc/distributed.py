@@ -21,9 +21,10 @@ and runs the rule on those rows only; the sums the rule's coefficients need (``|
 rows are written with the rounding bits they have in the unsharded weight. Other trainable
 parameters get FSDP's usual reduce-scattered gradients.
 
-:class:`DistributedStep` is that communication, and nothing else: the update rule, its state
-and bookkeeping are the single-process optimizer's (``DistributedRGCOptimizer`` is
-``DistributedStep`` over :class:`rgc.RGCOptimizer`, ``DistributedRowAdam`` over
+:class:`DataParallel` and :class:`FSDP2` are that communication, and nothing else: two
+communication strategies (:mod:`rgc.optim.comm`) of the one step pipeline, whose update rule,
+state and bookkeeping are the single-process optimizer's (``DistributedRGCOptimizer`` is
+:class:`rgc.RGCOptimizer` with the strategy its parameters need, ``DistributedRowAdam``
 :class:`rgc.RowAdam`). The optimizer checks at construction, with one all-gather of a few
 integers, that every rank has the same projection seeds and versions and the same rounding
 seeds.
@@ -44,6 +45,7 @@ import torch.nn.functional as F
 from torch.optim import Optimizer
 
 from rgc.optim.base import Entry
+from rgc.optim.comm import Local
 from rgc.optim.rgc import RGCOptimizer
 from rgc.optim.rowadam import RowAdam
 from rgc.registry import sketched_owner_of
@@ -56,8 +58,8 @@ try:
 except ImportError:  # torch < 2.5
     from torch.distributed._tensor import DTensor, Shard
 
-__all__ = ["DistributedRGCOptimizer", "DistributedRowAdam", "DistributedStep",
-           "all_reduce_sketches", "check_seeds"]
+__all__ = ["DataParallel", "DistributedRGCOptimizer", "DistributedRowAdam", "FSDP2",
+           "all_reduce_sketches", "check_seeds", "communication"]
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -423,10 +425,8 @@ class ShardEntry(Entry):
     """An :class:`rgc.optim.base.Entry` of this rank's rows of a ``Shard(0)`` parameter:
     ``param`` is a view of the local rows (with the local ``.grad`` for a dense parameter),
     ``owner`` a :class:`RowShard`, ``state`` a :class:`LocalState`; ``whole`` is the DTensor
-    parameter and ``index`` its position among the optimizer's parameters (the order in which
-    ranks communicate about it)."""
+    parameter."""
 
-    index: int = 0
     whole: DTensor | None = None
 
 
@@ -525,72 +525,130 @@ def _all_gather_rows(items: list[tuple[torch.Tensor, int]], group, bucket_bytes:
     return whole, sent
 
 
-# ------------------------------------------------------------------------ the step
+# ------------------------------------------------------------------------ the strategies
 
-class DistributedStep:
-    """The communication of a distributed step, around a single-process rgc optimizer's rule.
+class DataParallel(Local):
+    """The communication of a step when every rank holds every parameter whole.
 
-    Mixed in before a :class:`rgc.optim.SketchOptimizer` subclass
-    (``class DistributedRowAdam(DistributedStep, RowAdam)``), it takes that optimizer's
-    arguments (``step_control`` and ``keep_updates`` included) plus ``group=`` and
-    ``bucket_mb=``, and adds to its step only what crossing processes needs:
+    The sketches of sketched weights (d x r FP32, ``E x d x r`` for a stack of experts) and the
+    gradients of the other trainable parameters are averaged over ``group`` before the rule
+    runs (bucketed all-reduces in a fixed order, see :func:`all_reduce_sketches`); every rank
+    then runs the rule on the same bits, and a step controller sums its probe statistics over
+    the ranks with :meth:`sum_over_ranks`. ``group``: the process group (default: the whole
+    world); ``bucket_mb``: the largest bucket of one collective, in MiB. Without an
+    initialised process group of more than one rank it exchanges nothing.
 
-    * parameters that are plain tensors (data parallel: every rank holds them whole): the
-      sketches of sketched weights (d x r FP32, ``E x d x r`` for a stack of experts) and the
-      gradients of the others are averaged over ``group`` before the rule runs (bucketed
-      all-reduces in a fixed order, see :func:`all_reduce_sketches`); every rank then runs
-      the rule on the same bits.
-    * ``Shard(0)`` DTensor parameters (FSDP2's ``fully_shard`` after ``rgc.wrap``): the sketches
-      are reduce-scattered, so each rank holds the sketch rows of the weight rows it owns, and
-      the rule runs on those rows only (a :class:`RowShard` view of the weight, a
-      :class:`LocalState` view of its state: RowAdam's moments are ``rows x r`` and ``rows``).
-      The sums the rule's coefficients need (:class:`rgc.optim.base.Partials`: ``||W||^2``,
-      ``||H||^2 = sum((C P^T P) * C)``, non-finite counts) are summed over the ranks with one
-      all-reduce for all sharded parameters, so every rank forms the same coefficients; the
-      rows are written with rounding offset ``first_row * k``, the bits they get in the
-      unsharded update. No rank forms more than ``chunk_rows x k`` of ``H`` (the kernel none),
-      nor a d x k gradient. Other trainable DTensor parameters take FSDP's averaged ``.grad``
-      through the same rule on their local rows.
+    Attached to an optimizer (``comm=``), it runs :func:`check_seeds` on it (one all-gather of
+    a few int64). ``last_comm_bytes`` holds the bytes this rank passed to collectives in the
+    last step, ``last_export_bytes`` those of the last ``export_update()``.
+    """
 
-    A step controller (:class:`rgc.PredictedKL`) sees whole updates: under FSDP2 the d x r
-    factors of the row shards are all-gathered for it (never a d x k tensor), and it sums its
-    probe statistics over the ranks with :meth:`sum_over_ranks`, so every rank applies the
-    same ``alpha``. Each rank probes its own batch (set with ``set_probe`` on every rank): the
-    KL is the mean over all ranks' probe tokens. Under FSDP2 it needs every trainable sharded
-    parameter to be sketched (checked at construction).
+    def __init__(self, group=None, bucket_mb: float = DEFAULT_BUCKET_MB):
+        _check_bucket_mb(bucket_mb)
+        self.group = group
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.last_comm_bytes = 0
+        self.last_export_bytes = 0
 
-    ``export_update(model)`` gives the payload of the whole model on every rank; under FSDP2
-    it is collective (every rank calls it): the factors of the row shards are all-gathered
-    (d x r), and the fingerprints of the whole weights summed from each rank's share.
+    @property
+    def train_group(self):
+        """The group the model trains over."""
+        return self.group
 
-    Construction runs :func:`check_seeds` (one all-gather of a few int64) on the optimizer.
-    ``last_comm_bytes`` holds the bytes this rank passed to collectives in the last ``step()``,
-    ``last_export_bytes`` those of the last ``export_update()``.
+    def attach(self, optimizer) -> None:
+        sharded = [p for p in _params_of(optimizer) if isinstance(p, DTensor)]
+        if sharded:
+            raise ValueError(
+                f"{len(sharded)} parameter(s) are DTensors (sharded, e.g. by FSDP2's "
+                "fully_shard), which the DataParallel strategy does not serve: use "
+                "rgc.distributed.FSDP2 (rgc.DistributedRGCOptimizer / DistributedRowAdam "
+                "pick it for you)")
+        check_seeds(optimizer, group=self.train_group)
 
-    Not supported (raise at construction): 2-D meshes (HSDP, tensor parallel) and placements
+    def _issue(self, params: list[torch.Tensor], local: dict) -> list[_Pending]:
+        """Start the collectives of a step: the replicated sketches' and gradients' mean."""
+        for p in params:
+            owner = sketched_owner_of(p)
+            if owner is not None:
+                _check_no_dense_grad(p, owner)
+        if not _is_active(self.group):
+            return []
+        pending, sent = _all_reduce_mean(_replicated_slots(params), self.group,
+                                         self.bucket_bytes)
+        self.last_comm_bytes += sent
+        return pending
+
+    def exchange(self, params: list[torch.Tensor]) -> dict:
+        """Run the step's collectives (the presence flags of all buckets read with one host
+        copy); returns this rank's sketch rows of sharded weights (none here)."""
+        self.last_comm_bytes = 0
+        local: dict = {}
+        _settle(self._issue(params, local))
+        return local
+
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the ranks that train the model (one all-reduce)."""
+        if not _is_active(self.train_group):
+            return values
+        values = values.clone()
+        dist.all_reduce(values, group=self.train_group)
+        self.last_comm_bytes += values.numel() * values.element_size()
+        return values
+
+
+class FSDP2(DataParallel):
+    """The communication of a step over FSDP2's ``Shard(0)`` DTensor parameters
+    (``fully_shard`` after ``rgc.wrap``), and data parallel for the parameters left whole.
+
+    The sketches are reduce-scattered, so each rank holds the sketch rows of the weight rows
+    it owns, and the rule runs on those rows only (a :class:`RowShard` view of the weight, a
+    :class:`LocalState` view of its state: RowAdam's moments are ``rows x r`` and ``rows``).
+    The sums the rule's coefficients need (:class:`rgc.optim.rules.Partials`: ``||W||^2``,
+    ``||H||^2 = sum((C P^T P) * C)``, non-finite counts) are summed over the ranks with one
+    all-reduce for all sharded parameters, so every rank forms the same coefficients; the
+    rows are written with rounding offset ``first_row * k``, the bits they get in the
+    unsharded update. No rank forms more than ``chunk_rows x k`` of ``H`` (the kernel none),
+    nor a d x k gradient. Other trainable DTensor parameters take FSDP's averaged ``.grad``
+    through the same rule on their local rows; parameters left whole (``ignored_params``) are
+    averaged over ``group`` as in :class:`DataParallel`.
+
+    A step controller (:class:`rgc.PredictedKL`) sees whole updates: the d x r factors of the
+    row shards are all-gathered for it (never a d x k tensor), and it sums its probe
+    statistics over the ranks. Each rank probes its own batch (set with ``set_probe`` on every
+    rank): the KL is the mean over all ranks' probe tokens. It needs every trainable sharded
+    parameter to be sketched (checked when attached). ``export_update(model)`` is collective
+    (every rank calls it): the factors of the row shards are all-gathered (d x r), and the
+    fingerprints of the whole weights summed from each rank's share.
+
+    Not supported (raise when attached): 2-D meshes (HSDP, tensor parallel) and placements
     other than ``Shard(0)``; FSDP2-sharded stacks of experts (their sketches are ``E x d x r``
     and ``fully_shard`` gives each rank whole experts: keep the experts' weights whole with
     ``fully_shard(..., ignored_params=...)``, and they are averaged as in data parallel).
     """
 
-    def __init__(self, params, *args, group=None, bucket_mb: float = DEFAULT_BUCKET_MB,
-                 **kwargs):
-        _check_bucket_mb(bucket_mb)
-        super().__init__(params, *args, **kwargs)
-        self._group = group
-        self._bucket_bytes = int(bucket_mb * 2**20)
-        sharded = [p for p in _params_of(self) if isinstance(p, DTensor)]
+    def __init__(self, group=None, bucket_mb: float = DEFAULT_BUCKET_MB):
+        super().__init__(group, bucket_mb)
+        self.mesh_group = None
+        self._shards: dict[int, ShardEntry] = {}
+
+    @property
+    def train_group(self):
+        """The group the model trains over: the mesh's, else ``group``."""
+        return self.mesh_group if self.mesh_group is not None else self.group
+
+    def attach(self, optimizer) -> None:
+        sharded = [p for p in _params_of(optimizer) if isinstance(p, DTensor)]
         for p in sharded:
             _check_sharded(p)
             owner = sketched_owner_of(p)
             if owner is not None and owner.num_matrices > 1:
                 raise NotImplementedError(
                     f"a sketched stack of {owner.num_matrices} experts {tuple(p.shape)} is "
-                    f"sharded by FSDP2 (fully_shard); {type(self).__name__} updates row shards "
-                    "of 2-D weights and whole expert stacks: keep the experts' weights whole "
-                    "with fully_shard(module, ignored_params={...}) (they are then averaged "
-                    "as in data parallel), or train them on one process")
-            if self.step_control is not None and owner is None and p.requires_grad:
+                    f"sharded by FSDP2 (fully_shard); {type(optimizer).__name__} updates row "
+                    "shards of 2-D weights and whole expert stacks: keep the experts' weights "
+                    "whole with fully_shard(module, ignored_params={...}) (they are then "
+                    "averaged as in data parallel), or train them on one process")
+            if optimizer.step_control is not None and owner is None and p.requires_grad:
                 raise NotImplementedError(
                     f"step_control under FSDP2 needs every trainable sharded parameter to be "
                     f"sketched; {tuple(p.shape)} is not: the controller's forward-mode probe "
@@ -599,80 +657,54 @@ class DistributedStep:
                     "fully_shard(..., ignored_params=...)")
         if any(p.device_mesh != sharded[0].device_mesh for p in sharded):
             raise NotImplementedError("all sharded parameters must share one device mesh")
-        self._mesh_group = sharded[0].device_mesh.get_group() if sharded else None
-        self._local_rows: dict[int, torch.Tensor] = {}
-        self._shards: dict[int, ShardEntry] = {}
-        self.last_comm_bytes = 0
-        self.last_export_bytes = 0
-        check_seeds(self, group=self._train_group)
+        self.mesh_group = sharded[0].device_mesh.get_group() if sharded else None
+        check_seeds(optimizer, group=self.train_group)
 
-    @property
-    def _train_group(self):
-        """The group the model trains over: the mesh's under FSDP2, else ``group``."""
-        return self._mesh_group if self._mesh_group is not None else self._group
-
-    # -- communication before the rule ----------------------------------------------------
-    def _gather(self):
-        """Average the replicated sketches and gradients, reduce-scatter the sharded sketches
-        (the presence flags of all buckets read with one host copy), then gather as one
-        process does, with row-shard entries for the sharded parameters."""
-        self.last_comm_bytes = 0
-        self._shards = {}
-        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        for p in params:
-            owner = sketched_owner_of(p)
-            if owner is not None:
-                _check_no_dense_grad(p, owner)
-        pending = []
-        if _is_active(self._group):
-            pending, sent = _all_reduce_mean(_replicated_slots(params), self._group,
-                                             self._bucket_bytes)
-            self.last_comm_bytes += sent
+    # -- before the rule -------------------------------------------------------------------
+    def _issue(self, params: list[torch.Tensor], local: dict) -> list[_Pending]:
+        """Also reduce-scatter the sharded sketches into ``local`` (one rank: its own)."""
+        pending = super()._issue(params, local)
         sharded = [(p, sketched_owner_of(p)) for p in params if isinstance(p, DTensor)]
         sharded = [(p, owner) for p, owner in sharded if owner is not None]
-        if sharded and _is_active(self._mesh_group):
-            more, sent = _reduce_scatter_rows(sharded, self._mesh_group, self._bucket_bytes,
-                                              self._local_rows)
+        if sharded and _is_active(self.mesh_group):
+            more, sent = _reduce_scatter_rows(sharded, self.mesh_group, self.bucket_bytes, local)
             pending += more
             self.last_comm_bytes += sent
         else:  # one rank holds every row
-            self._local_rows.update({id(p): owner.sketch for p, owner in sharded
-                                     if owner.sketch is not None})
-        _settle(pending)
-        try:
-            return super()._gather()
-        finally:
-            self._local_rows = {}
+            local.update({id(p): owner.sketch for p, owner in sharded
+                          if owner.sketch is not None})
+        return pending
 
-    def _entry(self, p, owner, group, index):
-        entry = super()._entry(p, owner, group, index)
+    def view(self, entry: Entry, exchanged: dict) -> Entry:
+        """A ``Shard(0)`` parameter's entry as this rank's rows (:class:`ShardEntry`)."""
+        p, owner = entry.param, entry.owner
         if not isinstance(p, DTensor):
             return entry
         first_row, _ = _row_range(p)
         local = p.to_local()  # a view of this rank's rows
         view = None
         if owner is not None:
-            view = RowShard(owner, local, self._local_rows.pop(id(p)), first_row)
+            view = RowShard(owner, local, exchanged.pop(id(p)), first_row)
         else:
             local.grad = p.grad.to_local()
-        shard = ShardEntry(local, view, group, LocalState(entry.state, p), entry.seed,
-                           first_row * math.prod(p.shape[1:]), index=index, whole=p)
+        shard = ShardEntry(local, view, entry.group, LocalState(entry.state, p), entry.seed,
+                           first_row * math.prod(p.shape[1:]), entry.index, whole=p)
         self._shards[id(local)] = shard
         return shard
 
-    def _sum_partials(self, measured) -> None:
+    def reduce(self, measured) -> None:
         """Sum the row shards' partial sums over the mesh: one all-reduce, in parameter order
         (the same on every rank, whatever the grouping by local shape)."""
         rows = sorted(((e.index, partials, m) for entries, partials in measured
                        for m, e in enumerate(entries) if isinstance(e, ShardEntry)),
                       key=lambda row: row[0])
-        if not rows or not _is_active(self._mesh_group):
+        if not rows or not _is_active(self.mesh_group):
             return
         names = [sorted(partials.sums) for _, partials, _ in rows]
         flat = torch.cat([t for (_, partials, m), row_names in zip(rows, names, strict=True)
                           for t in [(~partials.finite[m]).to(torch.float32),
                                     *(partials[name][m] for name in row_names)]])
-        dist.all_reduce(flat, group=self._mesh_group)
+        dist.all_reduce(flat, group=self.mesh_group)
         self.last_comm_bytes += flat.numel() * flat.element_size()
         offset = 0
         for (_, partials, m), row_names in zip(rows, names, strict=True):
@@ -683,18 +715,15 @@ class DistributedStep:
                 partials[name][m] = flat[offset:offset + width]
                 offset += width
 
-    def _record_sq_norm(self, entry, norm) -> None:
-        # a row shard's ||W||^2 is this rank's partial sum: it is recomputed from the rows each
-        # step rather than kept, so that no per-rank value enters the (checkpointed) state
-        if not isinstance(entry, ShardEntry):
-            super()._record_sq_norm(entry, norm)
+    def keeps_weight_norm(self, entry) -> bool:
+        # a row shard's ||W||^2 is this rank's partial sum: recomputed from the rows each step
+        return not isinstance(entry, ShardEntry)
 
-    def _finish(self, stacks) -> None:
-        super()._finish(stacks)
+    def finish(self) -> None:
         self._shards = {}
 
     # -- step control ----------------------------------------------------------------------
-    def _whole_updates(self, updates: list) -> list:
+    def whole_updates(self, updates: list) -> list:
         """The controller's updates with each row shard's factor all-gathered (d x r)."""
         shards = sorted(((self._shards[id(u.param)], i) for i, u in enumerate(updates)
                          if id(u.param) in self._shards), key=lambda s: s[0].index)
@@ -711,10 +740,10 @@ class DistributedStep:
         """The whole FP32 tensors of row shards' local values (``rows x ...`` each)."""
         local = [(t.detach().reshape(t.shape[0], math.prod(t.shape[1:])).to(torch.float32),
                   e.whole.shape[0]) for t, e in items]
-        if not _is_active(self._mesh_group):
+        if not _is_active(self.mesh_group):
             whole = [t for t, _ in local]
         else:
-            whole, sent = _all_gather_rows(local, self._mesh_group, self._bucket_bytes)
+            whole, sent = _all_gather_rows(local, self.mesh_group, self.bucket_bytes)
             if export:
                 self.last_export_bytes += sent
             else:
@@ -722,23 +751,14 @@ class DistributedStep:
         return [w.reshape(e.whole.shape[0], *t.shape[1:]) for w, (t, e) in
                 zip(whole, items, strict=True)]
 
-    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
-        """``values`` summed over the ranks that train the model (one all-reduce)."""
-        if not _is_active(self._train_group):
-            return values
-        values = values.clone()
-        dist.all_reduce(values, group=self._train_group)
-        self.last_comm_bytes += values.numel() * values.element_size()
-        return values
-
     # -- sketch-sized sync -----------------------------------------------------------------
-    def _kept(self, update) -> list:
+    def keep(self, update) -> list:
         members = update.members() if isinstance(update, StackUpdate) else [update]
         kept = []
         for m in members:
             shard = self._shards.get(id(m.param))
             if shard is None:
-                kept += super()._kept(m)
+                kept += super().keep(m)
                 continue
             if isinstance(m, LowRankUpdate):
                 m.factor = m.factor.clone()
@@ -750,29 +770,28 @@ class DistributedStep:
                                      seed))
         return kept
 
-    def _payload_records(self) -> list[tuple]:
+    def payload_records(self, records: list) -> list[tuple]:
         """Records of whole parameters: the row shards' factors (or dense directions)
         all-gathered, and their fingerprints before and after summed from each rank's share."""
         self.last_export_bytes = 0
-        records = [r for r in self.last_updates if not isinstance(r, _ShardRecord)]
-        shards = sorted((r for r in self.last_updates if isinstance(r, _ShardRecord)),
+        out = [r for r in records if not isinstance(r, _ShardRecord)]
+        shards = sorted((r for r in records if isinstance(r, _ShardRecord)),
                         key=lambda r: r.entry.index)
         if not shards:
-            return records
+            return out
         values = [r.update.factor if isinstance(r.update, LowRankUpdate) else r.update.direction
                   for r in shards]
         whole = self._gathered([(v, r.entry) for v, r in zip(values, shards, strict=True)],
                                export=True)
         shares = torch.stack([torch.stack([r.base_share for r in shards]), torch.stack(
             [fingerprint_tensor(r.entry.param, r.entry.offset) for r in shards])])
-        if _is_active(self._mesh_group):
-            dist.all_reduce(shares, group=self._mesh_group)
+        if _is_active(self.mesh_group):
+            dist.all_reduce(shares, group=self.mesh_group)
             self.last_export_bytes += shares.numel() * shares.element_size()
         shares = shares % _PRIME
         for r, value, base, result in zip(shards, whole, shares[0], shares[1], strict=True):
-            records.append((_of_whole(r.update, r.entry, value), base, r.projection_seed,
-                            result))
-        return records
+            out.append((_of_whole(r.update, r.entry, value), base, r.projection_seed, result))
+        return out
 
 
 def _of_whole(update: LowRankUpdate | DenseUpdate, entry: ShardEntry,
@@ -785,18 +804,48 @@ def _of_whole(update: LowRankUpdate | DenseUpdate, entry: ShardEntry,
     return dataclasses.replace(update, param=entry.whole, direction=value, offset=0)
 
 
-class DistributedRGCOptimizer(DistributedStep, RGCOptimizer):
+def communication(params, group=None, bucket_mb: float = DEFAULT_BUCKET_MB) -> DataParallel:
+    """The strategy for ``params`` (tensors or param groups): :class:`FSDP2` when any is a
+    DTensor, else :class:`DataParallel`."""
+    tensors = [p for x in params for p in (x["params"] if isinstance(x, dict) else [x])]
+    kind = FSDP2 if any(isinstance(p, DTensor) for p in tensors) else DataParallel
+    return kind(group, bucket_mb)
+
+
+class _Distributed:
+    """What the two distributed optimizers add: the strategy chosen from the parameters, and
+    its byte counters."""
+
+    def __init__(self, params, *args, group=None, bucket_mb: float = DEFAULT_BUCKET_MB,
+                 **kwargs):
+        params = list(params)
+        super().__init__(params, *args, comm=communication(params, group, bucket_mb), **kwargs)
+
+    @property
+    def last_comm_bytes(self) -> int:
+        """Bytes this rank passed to collectives in the last ``step()``."""
+        return self.comm.last_comm_bytes
+
+    @property
+    def last_export_bytes(self) -> int:
+        """Bytes this rank passed to collectives in the last ``export_update()``."""
+        return self.comm.last_export_bytes
+
+
+class DistributedRGCOptimizer(_Distributed, RGCOptimizer):
     """:class:`rgc.RGCOptimizer` for data parallel and FSDP2 training on ``torch.distributed``.
 
     Same update, arguments and state as ``RGCOptimizer`` (``step_control`` and
     ``keep_updates`` included), plus ``group`` (process group of the plain-tensor parameters,
     default the whole world; sharded ones use their device mesh's) and ``bucket_mb`` (largest
-    bucket of one collective, in MiB). See :class:`DistributedStep` for what crosses the
-    network. On one process (no process group) it is ``RGCOptimizer``.
+    bucket of one collective, in MiB): ``RGCOptimizer(..., comm=...)`` with the strategy the
+    parameters need, :class:`FSDP2` if any is a ``Shard(0)`` DTensor, else
+    :class:`DataParallel` (see them for what crosses the network). On one process (no process
+    group) it is ``RGCOptimizer``.
     """
 
 
-class DistributedRowAdam(DistributedStep, RowAdam):
+class DistributedRowAdam(_Distributed, RowAdam):
     """:class:`rgc.RowAdam` for data parallel and FSDP2 training on ``torch.distributed``.
 
     Same update, arguments and state as ``RowAdam``, plus ``group`` and ``bucket_mb`` (see

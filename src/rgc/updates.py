@@ -18,7 +18,7 @@ trainer's tensor coefficient and a receiver's float copy of it give the same bit
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -91,7 +91,6 @@ class StackUpdate:
     active: torch.Tensor
     sq_norms: torch.Tensor | None = None
     offsets: list[int] | None = None
-    extra: dict = field(default_factory=dict)  # per-optimizer data carried to commit time
 
     def scale(self, alpha: float) -> None:
         """Multiply every coefficient and decay by the step controller's ``alpha``."""

@@ -28,7 +28,7 @@ import torch
 
 from rgc import ops
 from rgc.optim import RGCOptimizer, SketchOptimizer
-from rgc.optim.rgc import sketch_norm, sqrt32
+from rgc.optim.rules import sketch_norm, sqrt32
 from rgc.registry import sketched_owner_of
 from rgc.updates import sum_squares
 

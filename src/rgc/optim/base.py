@@ -1,36 +1,45 @@
-"""What every rgc optimizer shares: gather, measure, propose, scale, apply, refresh, record.
+"""The optimizer every rgc rule shares: torch.optim's conventions and the step pipeline.
 
-A step of a :class:`SketchOptimizer` measures, for every parameter with a sketch or gradient,
-the sums its rule needs (:class:`Partials`: finiteness, norms), then proposes an update
-in factored form (:class:`LowRankUpdate` or :class:`DenseUpdate`) from them, optionally lets a
-step controller scale all proposals by one ``alpha`` (see :class:`rgc.PredictedKL`), applies
-them, then clears sketches and, after the last update, refreshes projections. The same apply
-functions serve a sync receiver (:func:`rgc.apply_update`), which is why its weights match the
-trainer's bit for bit.
+A step of a :class:`SketchOptimizer` runs one pipeline for every rule and every set-up:
 
-Measuring and proposing are two phases so that a distributed optimizer
-(:mod:`rgc.distributed`) can sum the partial sums of row shards over its ranks, all
-parameters in one collective, in between; on one process nothing happens there.
+1. **gather**: the communication strategy (``comm``, :mod:`rgc.optim.comm`) exchanges the
+   sketches and gradients; every parameter with a sketch or gradient becomes an
+   :class:`Entry` (the rows of it this process updates), sketched ones grouped by shape;
+2. **measure**: per group, the sums the rule's coefficients need (:class:`Partials`:
+   finiteness, ``||C P^T||^2``, and for a rule that reads them ``||W||^2``, ``||grad||^2``);
+3. **reduce**: the strategy completes the sums over the processes (one process: nothing);
+4. **propose**: the rule's functional form (:mod:`rgc.optim.rules`) turns the sums and its
+   state into a :class:`rgc.optim.rules.Proposal`, one per group, which becomes one
+   :class:`rgc.updates.StackUpdate` (or a :class:`rgc.updates.DenseUpdate`);
+5. **scale**: an optional step controller scales all proposals by one ``alpha``
+   (see :class:`rgc.PredictedKL`);
+6. **apply**: one :func:`rgc.ops.lowrank_update_` call per group, the same function a sync
+   receiver applies (:func:`rgc.apply_update`), which is why its weights match the trainer's
+   bit for bit;
+7. **finish**: clear the sketches and refresh the projections that are due.
+
+A rule is a subclass that implements ``_propose_stack`` and ``_propose_dense`` (and sets
+``reads_norms`` when its coefficients need ``||W||^2``); everything else is shared.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import sys
 import warnings
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 from torch.optim import Optimizer
 
 from rgc import ops
+from rgc.optim.comm import Local
+from rgc.optim.rules import Partials, Proposal
 from rgc.projection import advance_projections
 from rgc.registry import sketched_owner_of
 from rgc.seeding import derive_seed
-from rgc.sync import build_payload, fingerprint_tensor
-from rgc.updates import DenseUpdate, LowRankUpdate, StackUpdate, resolve_chunk_rows, to_host
+from rgc.sync import build_payload
+from rgc.updates import (DenseUpdate, LowRankUpdate, StackUpdate, resolve_chunk_rows,
+                         sum_squares, to_host)
 
 __all__ = ["DenseUpdate", "Entry", "LowRankUpdate", "Partials", "SketchOptimizer",
            "StackUpdate", "check_common_args", "rounding_seed"]
@@ -43,7 +52,9 @@ class Entry:
 
     ``offset`` is the flat index of the first element the entry holds in the whole parameter
     (0; a distributed optimizer's row shard starts at ``first_row * row length``), so that its
-    elements get the rounding bits they have in the whole parameter.
+    elements get the rounding bits they have in the whole parameter. ``index`` is the
+    parameter's position among the optimizer's parameters (the order in which processes
+    communicate about it).
     """
     param: torch.Tensor
     owner: object
@@ -51,30 +62,7 @@ class Entry:
     state: dict
     seed: int
     offset: int = 0
-
-
-@dataclass
-class Partials:
-    """The statistics a rule forms its coefficients from, over a weight's elements.
-
-    ``finite`` is ``[M, E]`` bool (M parameters of E matrices each; a dense parameter is one
-    ``1 x 1``): no non-finite value in the matrix's sketch or gradient. ``sums`` maps a name
-    to an ``[M, E]`` FP32 tensor of what the rule needs, e.g. ``sketch`` (``||C P^T||^2``)
-    and ``weight`` (``||W||^2``). On one process they cover the whole weight. A distributed
-    optimizer whose ranks hold rows of a weight combines them over those ranks (one
-    collective for all parameters of a step) before the proposal reads them: ``finite`` as
-    the number of ranks that saw a non-finite value, every entry of ``sums`` summed, so each
-    must be additive over rows.
-    """
-    finite: torch.Tensor
-    sums: dict[str, torch.Tensor]
-
-    @classmethod
-    def of(cls, finite: torch.Tensor, **sums: torch.Tensor) -> Partials:
-        return cls(finite, sums)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.sums[name]
+    index: int = 0
 
 
 def _refresh_due(refresh, step: int) -> bool:
@@ -116,47 +104,37 @@ def group_lr(group: dict, device: torch.device) -> float | torch.Tensor:
 def check_common_args(lr, chunk_rows, seed) -> None:
     """ValueError for a bad ``lr``, ``chunk_rows`` (None or an int >= 1) or ``seed``."""
     check_lr(lr)
-    if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
+    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)
+                                   or chunk_rows < 1):
         raise ValueError(f"chunk_rows must be None or an integer >= 1, got {chunk_rows!r}")
-    if not isinstance(seed, int) or seed < 0:
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
 
 
-#: Per-parameter state entries that are Python ints. rgc's first state format stored them as
-#: int64 0-dim tensors; ``load_state_dict`` converts those, so old checkpoints resume exactly.
+#: Per-parameter state entries that are Python ints (never cast to the parameter's dtype).
 INT_STATE_KEYS = ("step", "skipped", "layer_seed", "projection_version")
 
-#: Attributes an optimizer pickled before they existed gets on unpickling.
-_ATTRIBUTE_DEFAULTS = {"step_control": None, "keep_updates": False, "steps_taken": 0,
-                       "last_updates": None, "_warned_nonfinite": False,
-                       "sketch_norm_read": False}
-
-#: Packages whose training loops clip and log the norm of ``.grad`` (0 for a sketched weight).
-_GRAD_NORM_LOOPS = ("transformers.", "accelerate.", "trl.")
-
-
-def _called_from_grad_norm_loop() -> bool:
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_globals.get("__name__", "").startswith(_GRAD_NORM_LOOPS):
-            return True
-        frame = frame.f_back
-    return False
+#: The key under which ``state_dict()`` stores :attr:`SketchOptimizer.steps_taken`.
+STEPS_KEY = "rgc_steps_taken"
 
 
 class SketchOptimizer(Optimizer):
-    """Base of the rgc optimizers. Subclasses implement ``_stack_partials`` and
-    ``_propose_stack`` (sketched weights, grouped by shape), may extend ``_dense_partials``,
-    implement ``_propose_dense`` (return an update or ``None`` for "no change"), and may
-    override ``_refresh_projections`` to carry state into a new projection.
+    """Base of the rgc optimizers: torch.optim's conventions around the step pipeline
+    (module docstring).
+
+    A rule subclass implements ``_propose_stack(entries, group, partials) -> Proposal`` for
+    sketched weights of one shape and param group, and ``_propose_dense(entry, partials) ->
+    Proposal | None`` for a parameter with a dense ``.grad`` (``None``: no change), both
+    calling its functional form in :mod:`rgc.optim.rules`; it sets ``reads_norms = True`` if
+    the partial sums must include ``||W||^2`` (and ``||grad||^2``), and may extend
+    ``_refresh_projections`` to carry state into a new projection.
 
     ``step()`` reads nothing on the host unless a step controller is set: the finiteness test
     of each sketch or gradient is a bool tensor handed to the proposal (``Partials.finite``),
     whose coefficients are 0 on the device where it is false (the weight then stays
     bit-identical), and ``state[p]['skipped']`` is a 0-dim int64 counter on the parameter's
-    device. Read the
-    counters with :meth:`skipped_updates` (or ``state_dict()``, which stores them as ints).
-    With a controller, the active flags of all proposals are read once per step.
+    device. Read the counters with :meth:`skipped_updates` (or ``state_dict()``, which stores
+    them as ints). With a controller, the active flags of all proposals are read once per step.
 
     Args (beyond torch.optim's ``params`` and ``defaults``):
         step_control: ``None`` or a controller with ``scale(optimizer, updates) -> float``,
@@ -165,19 +143,31 @@ class SketchOptimizer(Optimizer):
             applied.
         keep_updates: keep the applied updates of the last step (one d x r FP32 copy per
             compressed weight) so that :meth:`export_update` can build a sync payload.
+        comm: the communication strategy (:mod:`rgc.optim.comm`); ``None``: one process
+            (:class:`rgc.optim.comm.Local`). :class:`rgc.distributed.DataParallel` and
+            :class:`rgc.distributed.FSDP2` train over ``torch.distributed``
+            (:class:`rgc.DistributedRGCOptimizer` picks one for you).
 
-    Every param group has ``maximize`` (default False): subclasses negate their proposals
-    for it. Where this contract differs from torch.optim is listed in ``docs/design.md``
-    ("Where rgc differs from torch.optim"): among others, no trainable parameter only warns,
-    complex parameters are refused, arithmetic is FP32 whatever the parameter dtype, state
-    tensors keep their dtype on load, and ``copy.deepcopy``/``pickle`` keep the step control,
-    kept updates and counters.
+    Every param group has ``maximize`` (default False). Where this contract differs from
+    torch.optim is listed in ``docs/design.md`` ("Where rgc differs from torch.optim"): among
+    others, no trainable parameter only warns, complex parameters are refused, arithmetic is
+    FP32 whatever the parameter dtype, state tensors keep their dtype on load, and
+    ``copy.deepcopy``/``pickle`` keep the step control, kept updates and counters.
+
+    Trainer loops: transformers' ``Trainer`` (and TRL's trainers) call the optimizer's
+    :meth:`train` at every training step; their gradient clipping reads ``.grad``, which
+    sketched weights do not have. Unless the norm of the sketches is read
+    (:func:`rgc.integrations.clip_grad_norm_`, which :func:`rgc.integrations.with_rgc` uses),
+    the first step warns once that such a loop logs ``grad_norm = 0.0`` and clips nothing.
     """
 
     #: read by the global step guard (:mod:`rgc.guards`): this optimizer steps sketched weights
     updates_sketched_weights = True
+    #: the rule's partial sums include ``||W||^2`` (and a dense parameter's ``||grad||^2``)
+    reads_norms = False
 
-    def __init__(self, params, defaults: dict, *, step_control=None, keep_updates: bool = False):
+    def __init__(self, params, defaults: dict, *, step_control=None, keep_updates: bool = False,
+                 comm=None):
         super().__init__(params, {"maximize": False, **defaults})
         if not any(p.requires_grad for g in self.param_groups for p in g["params"]):
             warnings.warn(
@@ -191,13 +181,17 @@ class SketchOptimizer(Optimizer):
         self.step_control = step_control
         self.keep_updates = bool(keep_updates)
         self.steps_taken = 0
-        # (update, fingerprint of the tensor before it, projection seed used) per parameter
-        self.last_updates: list[tuple] | None = None
+        # the kept records of the last step's updates (see rgc.optim.comm.kept_records)
+        self.last_updates: list | None = None
         self._warned_nonfinite = False
         # set by rgc.integrations.grad_norm / clip_grad_norm_ (the norms of the sketches)
         self.sketch_norm_read = False
+        # set by train(): a trainer loop (transformers' protocol) drives this optimizer
+        self.driven_by_trainer = False
         # p -> p._version when state[p]['weight_sq_norm'] was last made from p's stored values
         self._norm_versions: dict[torch.Tensor, int] = {}
+        self.comm = Local() if comm is None else comm
+        self.comm.attach(self)
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch.optim, then :meth:`_check_group` on the new group (removed again if bad).
@@ -234,58 +228,37 @@ class SketchOptimizer(Optimizer):
                       if k not in state and not k.startswith("_optimizer_")})
         return state
 
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        for name, value in _ATTRIBUTE_DEFAULTS.items():
-            self.__dict__.setdefault(name, value)
-        self.__dict__.setdefault("_norm_versions", {})
-        for group in self.param_groups:  # groups saved before maximize existed
-            group.setdefault("maximize", False)
-        self.defaults.setdefault("maximize", False)
+    # -- trainer loops ------------------------------------------------------------------
+    def train(self) -> None:
+        """Called by transformers' ``Trainer`` (through accelerate) at every training step, as
+        for schedule-free optimizers: records that a trainer loop drives this optimizer (see
+        the class docstring); the update does not depend on it."""
+        self.driven_by_trainer = True
 
-    @contextlib.contextmanager
-    def _hooks_held(self, *names: str):
-        """Run the body with the named hook tables empty; yields the held tables."""
-        held = {name: getattr(self, name) for name in names}
-        try:
-            for name in names:
-                setattr(self, name, OrderedDict())
-            yield held
-        finally:
-            for name, hooks in held.items():
-                setattr(self, name, hooks)
+    def eval(self) -> None:
+        """Called by transformers' ``Trainer`` before evaluation; nothing to do."""
 
-    # -- subclass interface -------------------------------------------------------------
-    def _stack_partials(self, entries: list[Entry], group: dict) -> Partials:
-        """The sums the rule needs of sketched weights of one shape and param group
-        (``[M, E]`` each, over the rows each entry holds; see :class:`Partials`)."""
+    def _warn_unread_norm(self) -> None:
+        if self.driven_by_trainer and not self.sketch_norm_read:
+            warnings.warn(
+                f"{type(self).__name__} is driven by a transformers/accelerate training loop "
+                "whose gradient clipping reads .grad, which sketched weights do not have: it "
+                "logs grad_norm = 0.0 and clips nothing. Build the trainer with "
+                "rgc.integrations.with_rgc(TrainerClass)(...), or clip with "
+                "rgc.integrations.clip_grad_norm_(optimizer, max_norm)", UserWarning,
+                stacklevel=3)
+
+    # -- the rule's interface -----------------------------------------------------------
+    def _propose_stack(self, entries: list[Entry], group: dict, partials: Partials) -> Proposal:
+        """The update of sketched weights of one shape and param group: ``partials`` are
+        the sums over the whole weights (the skips of non-finite sketches already counted);
+        coefficients 0 (and ``active`` false) where a sketch is not finite."""
         raise NotImplementedError
 
-    def _propose_stack(self, entries: list[Entry], group: dict,
-                       partials: Partials) -> StackUpdate:
-        """The updates of sketched weights of one shape and param group, in one record.
-
-        ``partials`` are :meth:`_stack_partials`' sums over the whole weights (the skips of
-        non-finite sketches are already counted); the proposal must give coefficients 0 (and
-        ``active`` false) to a matrix whose sketch is not finite.
-        """
+    def _propose_dense(self, entry: Entry, partials: Partials) -> Proposal | None:
+        """The update of a parameter with a dense ``.grad`` (``partials``: ``1 x 1`` sums of
+        the whole parameter; coefficient 0 where ``partials.finite`` is false), or ``None``."""
         raise NotImplementedError
-
-    def _dense_partials(self, entry: Entry) -> Partials:
-        """The sums the rule needs of a parameter with a dense ``.grad`` (``1 x 1`` each):
-        here whether the gradient is finite; subclasses add their sums."""
-        return Partials.of(torch.isfinite(entry.param.grad).all().reshape(1, 1))
-
-    def _propose_dense(self, p, group, state, seed, ok,
-                       partials: Partials) -> DenseUpdate | None:
-        """The update of a parameter with a dense ``.grad``; ``ok`` (0-dim bool) is false for a
-        non-finite gradient, and the coefficients must then be 0 (and ``active`` false);
-        ``partials``: :meth:`_dense_partials`' sums over the whole parameter."""
-        raise NotImplementedError
-
-    def _sum_partials(self, measured: list[tuple[list[Entry], Partials]]) -> None:
-        """Complete every entry's partial sums in place (one process: they are complete).
-        A distributed optimizer sums its row shards' over the ranks here."""
 
     def _refresh_projections(self, entries: list[Entry]) -> None:
         """Give every entry's owner its next ``P`` (the caller then renews the sketch slots).
@@ -295,17 +268,72 @@ class SketchOptimizer(Optimizer):
         """
         advance_projections([e.owner for e in entries])
 
-    # -- shared machinery ---------------------------------------------------------------
-    @staticmethod
-    def _stack_update(entries: list[Entry], group: dict, factors, coefs, decays, active, *,
-                      sq_norms=None) -> StackUpdate:
-        """The :class:`StackUpdate` of ``entries`` with the given ``[M, E]`` coefficients."""
-        return StackUpdate([e.param for e in entries], [e.owner for e in entries], factors,
-                           coefs, decays, [e.seed for e in entries],
-                           resolve_chunk_rows(group["chunk_rows"],
-                                              entries[0].owner.weight_matrices().shape[2]),
-                           group["stochastic_rounding"], active, sq_norms,
-                           offsets=[e.offset for e in entries], extra={"entries": entries})
+    # -- the step -----------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter that has a sketch or a gradient. Returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        control = self.step_control
+        if control is not None and hasattr(control, "check_ready"):
+            control.check_ready()  # raise before any state or weight changes
+        stacks, dense = self._gather()
+        if self.steps_taken == 0 and stacks:
+            self._warn_unread_norm()
+        measured = [(entries, self._stack_sums(entries)) for entries in stacks]
+        measured += [([e], self._dense_sums(e)) for e in dense]
+        self.comm.reduce(measured)
+        updates = self._propose(measured[:len(stacks)], measured[len(stacks):])
+        alpha, any_active = 1.0, False
+        if control is not None:
+            alpha, any_active = self._control(control, [u for u, _ in updates])
+        records = [] if self.keep_updates else None
+        for update, entries in updates:
+            update.scale(alpha)
+            if records is not None:
+                records.extend(self.comm.keep(update))
+            update.apply()
+            if isinstance(update, StackUpdate) and update.sq_norms is not None:
+                for m, e in enumerate(entries):
+                    self._record_sq_norm(e, update.sq_norms[m])
+        self._finish(stacks)
+        if any_active:
+            control.after_update()
+        self.steps_taken += 1
+        self.last_updates = records
+        return loss
+
+    def _gather(self) -> tuple[list[list[Entry]], list[Entry]]:
+        """The step's work, after the strategy's exchange: sketched entries grouped by
+        (param group, shape, dtypes, device), and the entries with a dense gradient. Counts
+        each parameter's step."""
+        exchanged = self.comm.exchange([p for g in self.param_groups for p in g["params"]
+                                        if p.requires_grad])
+        stacks: dict[tuple, list[Entry]] = {}
+        dense: list[Entry] = []
+        index = 0
+        for g, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                index += 1
+                owner = sketched_owner_of(p)
+                if owner is not None and owner.sketch is not None:
+                    entry = self.comm.view(self._entry(p, owner, group, index - 1), exchanged)
+                    o = entry.owner  # the entry's view: all of the weight, or its rows here
+                    key = (g, o.num_matrices, o.out_features, o.in_features, o.rank,
+                           entry.param.dtype, o.projection.dtype, entry.param.device)
+                    stacks.setdefault(key, []).append(entry)
+                elif p.grad is not None:
+                    dense.append(self.comm.view(self._entry(p, None, group, index - 1),
+                                                exchanged))
+        return list(stacks.values()), dense
+
+    def _entry(self, p, owner, group: dict, index: int) -> Entry:
+        state = self._init_state(p, owner)
+        state["step"] += 1
+        return Entry(p, owner, group, state, rounding_seed(group["seed"], index, state["step"]),
+                     index=index)
 
     def _init_state(self, p: torch.Tensor, layer) -> dict:
         # Seeds and step counts are Python ints, not tensors: Optimizer.load_state_dict casts
@@ -324,6 +352,88 @@ class SketchOptimizer(Optimizer):
                                             device=p.device)
         return state
 
+    def _stack_sums(self, entries: list[Entry]) -> Partials:
+        """Measure: ``finite`` and ``||C P^T||^2`` of every matrix (one
+        :func:`rgc.ops.sketch_stats` call), and ``||W||^2`` if the rule reads it, over the
+        rows each entry holds (``[M, E]`` each)."""
+        owners = [e.owner for e in entries]
+        h2, finite = ops.sketch_stats([o.sketch_matrices() for o in owners],
+                                      [o.projection for o in owners])
+        partials = Partials(finite, {"sketch": h2})
+        if self.reads_norms:
+            partials.sums["weight"] = self._weight_sq_norms(entries)
+        return partials
+
+    def _dense_sums(self, entry: Entry) -> Partials:
+        """Measure a parameter with a dense ``.grad``: whether it is finite, and ``||W||^2``
+        and ``||grad||^2`` if the rule reads them (``1 x 1`` each)."""
+        p = entry.param
+        partials = Partials(torch.isfinite(p.grad).all().reshape(1, 1))
+        if self.reads_norms:
+            partials.sums["weight"] = sum_squares(p).reshape(1, 1)
+            partials.sums["direction"] = sum_squares(p.grad).reshape(1, 1)
+        return partials
+
+    def _weight_sq_norms(self, entries: list[Entry]) -> torch.Tensor:
+        """``||W_e||_F^2`` of every matrix of the entries, ``[M, E]`` FP32.
+
+        The previous update of a weight left ``state['weight_sq_norm']`` from the values it
+        stored; it is used while the weight has not been written since (its version counter
+        is unchanged since that update or since ``load_state_dict``). The others are
+        recomputed from W, in one :func:`rgc.ops.sum_squares` call.
+        """
+        rows: list[torch.Tensor | None] = []
+        stale = []
+        for e in entries:
+            cached = e.state.get("weight_sq_norm")
+            if cached is None or self._norm_versions.get(e.param) != e.param._version:
+                stale.append(len(rows))
+                rows.append(None)
+            else:
+                rows.append(cached.reshape(-1))
+        if stale:
+            weights = [entries[i].owner.weight_matrices() for i in stale]
+            chunk_rows = resolve_chunk_rows(entries[0].group["chunk_rows"], weights[0].shape[2])
+            fresh = ops.sum_squares(weights, chunk_rows)
+            for j, i in enumerate(stale):
+                rows[i] = fresh[j]
+        return torch.stack(rows)
+
+    def _record_sq_norm(self, entry: Entry, norm: torch.Tensor) -> None:
+        """Keep ``||W_new||^2`` (a view of the update's ``sq_norms``) for the next step, unless
+        the entry is a share of a weight (its norm is then recomputed each step, so that no
+        per-rank value enters the checkpointed state)."""
+        if self.comm.keeps_weight_norm(entry):
+            entry.state["weight_sq_norm"] = norm[0] if entry.param.dim() == 2 else norm
+            self._norm_versions[entry.param] = entry.param._version
+
+    def _propose(self, stacks: list, dense: list) -> list[tuple]:
+        """Propose: count the skips, then one update per stack and per dense parameter with
+        a proposal; ``(update, entries)`` pairs."""
+        updates = []
+        for entries, partials in stacks:
+            self._count_skips(entries, partials.finite)
+            group = entries[0].group
+            proposal = self._propose_stack(entries, group, partials)
+            k = entries[0].owner.weight_matrices().shape[2]
+            updates.append((StackUpdate(
+                [e.param for e in entries], [e.owner for e in entries], proposal.factors,
+                proposal.coefs, proposal.decays, seeds=[e.seed for e in entries],
+                chunk_rows=resolve_chunk_rows(group["chunk_rows"], k),
+                stochastic_rounding=group["stochastic_rounding"], active=proposal.active,
+                sq_norms=proposal.sq_norms, offsets=[e.offset for e in entries]), entries))
+        if dense:
+            self._count_skips([e for (e,), _ in dense],
+                              torch.cat([partials.finite for _, partials in dense]))
+        for (e,), partials in dense:
+            proposal = self._propose_dense(e, partials)
+            if proposal is not None:
+                updates.append((DenseUpdate(
+                    e.param, proposal.factors, proposal.coefs,
+                    0.0 if proposal.decays is None else proposal.decays, e.seed,
+                    e.group["stochastic_rounding"], proposal.active, e.offset), [e]))
+        return updates
+
     @staticmethod
     def _count_skips(entries: list[Entry], finite: torch.Tensor) -> None:
         """Add one skip to each entry whose ``finite`` row (``[M, E]`` bool) is not all true
@@ -331,6 +441,42 @@ class SketchOptimizer(Optimizer):
         bad = (~finite.all(dim=1)).to(torch.int64)
         torch._foreach_add_([e.state["skipped"] for e in entries], list(bad.unbind(0)))
 
+    def _control(self, control, updates: list) -> tuple[float, bool]:
+        """The step controller's ``alpha`` from the active updates (one host read of the
+        active flags of all of them); ``(1.0, False)`` when none is active."""
+        members = [m for u in updates for m in (u.members() if isinstance(u, StackUpdate)
+                                                else [u])]
+        flags = [m.active if not torch.is_tensor(m.active) or m.active.dim() == 0
+                 else m.active.any() for m in members]
+        active = [m for m, a in zip(members, to_host(flags), strict=True) if a]
+        if not active:
+            return 1.0, False
+        return float(control.scale(self, self.comm.whole_updates(active))), True
+
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the processes that train this model together (a step
+        controller's probe statistics); on one process, ``values`` itself."""
+        return self.comm.sum_over_ranks(values)
+
+    def _finish(self, stacks: list[list[Entry]]) -> None:
+        """Clear the sketches (one grouped zeroing), then refresh the projections that are due
+        (batched per kind and shape) and renew their sketch slots."""
+        entries = [e for group in stacks for e in group]
+        sketches = [e.owner.sketch for e in entries if e.owner.sketch is not None]
+        if sketches:
+            torch._foreach_zero_(sketches)
+        due = [e for e in entries if _refresh_due(e.owner.refresh, e.state["step"])]
+        try:
+            if due:
+                self._refresh_projections(due)
+        finally:
+            for e in due:
+                e.owner._new_sketch_slot()
+            for e in entries:
+                e.state["projection_version"] = e.owner.projection_version
+            self.comm.finish()
+
+    # -- counters, sync, zero_grad --------------------------------------------------------
     def skipped_updates(self) -> int:
         """Updates skipped so far for a non-finite sketch or gradient, over all parameters.
 
@@ -350,204 +496,20 @@ class SketchOptimizer(Optimizer):
                           "warning is shown once", RuntimeWarning, stacklevel=3)
             self._warned_nonfinite = True
 
-    def _weight_sq_norms(self, entries: list[Entry], chunk_rows: int | None) -> torch.Tensor:
-        """``||W_e||_F^2`` of every matrix of the entries, ``[M, E]`` FP32.
-
-        The previous update of a weight left ``state['weight_sq_norm']`` from the values it
-        stored; it is used while the weight has not been written since (its version counter
-        is unchanged since that update or since ``load_state_dict``). The others are
-        recomputed from W, in one :func:`rgc.ops.sum_squares` call.
-        """
-        rows: list[torch.Tensor | None] = []
-        stale = []
-        for e in entries:
-            cached = e.state.get("weight_sq_norm")
-            if cached is None or self._norm_versions.get(e.param) != e.param._version:
-                stale.append(len(rows))
-                rows.append(None)
-            else:
-                rows.append(cached.reshape(-1))
-        if stale:
-            weights = [entries[i].owner.weight_matrices() for i in stale]
-            fresh = ops.sum_squares(weights, resolve_chunk_rows(chunk_rows, weights[0].shape[2]))
-            for j, i in enumerate(stale):
-                rows[i] = fresh[j]
-        return torch.stack(rows)
-
-    def _record_sq_norms(self, update: StackUpdate, entries: list[Entry]) -> None:
-        """Keep each weight's ``||W_new||^2`` (views of the update's ``sq_norms``)."""
-        for m, e in enumerate(entries):
-            self._record_sq_norm(e, update.sq_norms[m])
-
-    def _record_sq_norm(self, entry: Entry, norm: torch.Tensor) -> None:
-        entry.state["weight_sq_norm"] = norm[0] if entry.param.dim() == 2 else norm
-        self._norm_versions[entry.param] = entry.param._version
-
-    # -- the step -----------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One update of every parameter that has a sketch or a gradient. Returns the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        control = self.step_control
-        if control is not None and hasattr(control, "check_ready"):
-            control.check_ready()  # raise before any state or weight changes
-        records = [] if self.keep_updates else None
-        work = self._gather()
-        if self.steps_taken == 0 and work[0]:
-            self._warn_unread_norm()
-        self._step_entries(work, control, records)
-        self.steps_taken += 1
-        self.last_updates = records
-        return loss
-
-    def _warn_unread_norm(self) -> None:
-        """Once, at the first step with sketches, when a transformers / accelerate / TRL loop
-        drives this optimizer without reading the sketches' norm: its ``clip_grad_norm_`` of
-        ``model.parameters()`` sees no gradient on a sketched weight, so it logs
-        ``grad_norm = 0.0`` and clips nothing."""
-        if not self.sketch_norm_read and _called_from_grad_norm_loop():
-            warnings.warn(
-                f"{type(self).__name__} is driven by a transformers/accelerate training loop "
-                "whose gradient clipping reads .grad, which sketched weights do not have: it "
-                "logs grad_norm = 0.0 and clips nothing. Build the trainer with "
-                "rgc.integrations.with_rgc(TrainerClass)(...), or clip with "
-                "rgc.integrations.clip_grad_norm_(optimizer, max_norm)", UserWarning,
-                stacklevel=3)
-
-    def _gather(self) -> tuple[dict, list[Entry]]:
-        """The step's work: sketched entries grouped by (param group, shape, dtypes, device),
-        and the entries with a dense gradient. Counts each parameter's step."""
-        stacks: dict[tuple, list[Entry]] = {}
-        dense: list[Entry] = []
-        index = 0
-        for g, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                index += 1
-                owner = sketched_owner_of(p)
-                if owner is not None and owner.sketch is not None:
-                    entry = self._entry(p, owner, group, index - 1)
-                    o = entry.owner  # the entry's view: all of the weight, or its rows here
-                    key = (g, o.num_matrices, o.out_features, o.in_features, o.rank,
-                           entry.param.dtype, o.projection.dtype, entry.param.device)
-                    stacks.setdefault(key, []).append(entry)
-                elif p.grad is not None:
-                    dense.append(self._entry(p, None, group, index - 1))
-        return stacks, dense
-
-    def _entry(self, p, owner, group: dict, index: int) -> Entry:
-        state = self._init_state(p, owner)
-        state["step"] += 1
-        return Entry(p, owner, group, state, rounding_seed(group["seed"], index, state["step"]))
-
-    def _step_entries(self, work: tuple[dict, list[Entry]], control, records) -> None:
-        """Measure, propose, scale, apply and finish the gathered work (refreshes after every
-        update)."""
-        stacks, dense = work
-        groups = list(stacks.values())
-        measured = [(entries, self._stack_partials(entries, entries[0].group))
-                    for entries in groups]
-        measured += [([e], self._dense_partials(e)) for e in dense]
-        self._sum_partials(measured)
-        updates: list = []
-        for entries, partials in measured[:len(groups)]:
-            self._count_skips(entries, partials.finite)
-            updates.append(self._propose_stack(entries, entries[0].group, partials))
-        if dense:
-            finite = torch.cat([partials.finite for _, partials in measured[len(groups):]])
-            self._count_skips(dense, finite)
-        for e, (_, partials) in zip(dense, measured[len(groups):], strict=True):
-            u = self._propose_dense(e.param, e.group, e.state, e.seed,
-                                    partials.finite.reshape(()), partials)
-            if u is not None:
-                u.offset = e.offset
-                updates.append(u)
-        alpha, any_active = 1.0, False
-        if control is not None:
-            alpha, any_active = self._control(control, updates)
-        for update in updates:
-            update.scale(alpha)
-            kept = self._kept(update) if records is not None else None
-            update.apply()
-            if isinstance(update, StackUpdate) and update.sq_norms is not None:
-                self._record_sq_norms(update, update.extra["entries"])
-            if kept is not None:
-                records.extend(kept)
-        self._finish(list(stacks.values()))
-        if any_active:
-            control.after_update()
-
-    def _control(self, control, updates: list) -> tuple[float, bool]:
-        """The step controller's ``alpha`` from the active updates (one host read of the
-        active flags of all of them); ``(1.0, False)`` when none is active."""
-        members = [m for u in updates for m in (u.members() if isinstance(u, StackUpdate)
-                                                else [u])]
-        flags = [m.active if not torch.is_tensor(m.active) or m.active.dim() == 0
-                 else m.active.any() for m in members]
-        active = [m for m, a in zip(members, to_host(flags), strict=True) if a]
-        if not active:
-            return 1.0, False
-        return float(control.scale(self, self._whole_updates(active))), True
-
-    def _whole_updates(self, updates: list) -> list:
-        """The updates as a step controller sees them: of whole parameters of the model (a
-        distributed optimizer gathers the factors of its row shards here)."""
-        return updates
-
-    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
-        """``values`` summed over the processes that train this model together (a step
-        controller's probe statistics); on one process, ``values`` itself."""
-        return values
-
-    @staticmethod
-    def _kept(update) -> list[tuple]:
-        """``(record, fingerprint before, projection seed)`` per parameter of ``update``, with
-        the factors copied (the sketches are cleared after the step)."""
-        kept = []
-        for m in (update.members() if isinstance(update, StackUpdate) else [update]):
-            if isinstance(m, LowRankUpdate):
-                m.factor = m.factor.clone()
-                kept.append((m, fingerprint_tensor(m.param), m.layer.projection_seed))
-            else:
-                kept.append((m, fingerprint_tensor(m.param), None))
-        return kept
-
-    def _finish(self, stacks: list[list[Entry]]) -> None:
-        """Clear the sketches (one grouped zeroing), then refresh the projections that are due
-        (batched per kind and shape) and renew their sketch slots."""
-        entries = [e for group in stacks for e in group]
-        sketches = [e.owner.sketch for e in entries if e.owner.sketch is not None]
-        if sketches:
-            torch._foreach_zero_(sketches)
-        due = [e for e in entries if _refresh_due(e.owner.refresh, e.state["step"])]
-        try:
-            if due:
-                self._refresh_projections(due)
-        finally:
-            for e in due:
-                e.owner._new_sketch_slot()
-            for e in entries:
-                e.state["projection_version"] = e.owner.projection_version
-
     def export_update(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The last step's updates as a sync payload (see :func:`rgc.sync.build_payload`).
 
         ``model`` names the parameters (``model.named_parameters()``). Needs
-        ``keep_updates=True`` and a completed ``step()``.
+        ``keep_updates=True`` and a completed ``step()``; collective under a distributed
+        strategy (every rank calls it).
         """
         if not self.keep_updates:
             raise RuntimeError(f"export_update() needs {type(self).__name__}(..., "
                                "keep_updates=True): the factors of a step are not kept otherwise")
         if self.last_updates is None:
             raise RuntimeError("export_update() called before the first step()")
-        return build_payload(model, self._payload_records(), self.steps_taken)
-
-    def _payload_records(self) -> list[tuple]:
-        """The kept records as :func:`rgc.sync.build_payload` takes them (of whole
-        parameters: a distributed optimizer gathers its row shards' here)."""
-        return self.last_updates
+        return build_payload(model, self.comm.payload_records(self.last_updates),
+                             self.steps_taken)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients and the sketches of compressed weights."""
@@ -558,13 +520,22 @@ class SketchOptimizer(Optimizer):
                 if layer is not None:
                     layer.zero_sketch(set_to_none=set_to_none)
 
+    # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:
         """torch.optim's state dict, with the device counters ``skipped`` read as ints (one
         copy per device) and ``rgc_steps_taken``; post hooks see the final dict.
         ``weight_sq_norm`` (RGCOptimizer's cached ``||W||^2``) is kept as the FP32 tensor it is,
         so a resumed run uses the same bits."""
-        with self._hooks_held("_optimizer_state_dict_post_hooks") as held:
-            sd = super().state_dict()
+        handle = self.register_state_dict_post_hook(SketchOptimizer._complete_state_dict,
+                                                    prepend=True)
+        try:
+            return super().state_dict()
+        finally:
+            handle.remove()
+
+    @staticmethod
+    def _complete_state_dict(self, sd: dict) -> dict:
+        """rgc's state dict post hook, run before any other: counters as ints, step count."""
         # entries a hook added under other keys may be anything (torch.optim keeps them as is)
         entries = [(k, v) for k, v in sd["state"].items()
                    if isinstance(v, dict) and "skipped" in v]
@@ -574,15 +545,10 @@ class SketchOptimizer(Optimizer):
         for (key, value), count in zip(entries, counts, strict=True):
             state[key] = {**value, "skipped": int(count)}
         sd["state"] = state
-        sd["rgc_steps_taken"] = self.steps_taken
+        sd[STEPS_KEY] = self.steps_taken
         # torch.distributed.checkpoint keeps only "state" and "param_groups": the count rides
         # in every group too (copies: the optimizer's own groups do not get the key)
-        sd["param_groups"] = [{**g, "rgc_steps_taken": self.steps_taken}
-                              for g in sd["param_groups"]]
-        for hook in held["_optimizer_state_dict_post_hooks"].values():
-            result = hook(self, sd)
-            if result is not None:
-                sd = result
+        sd["param_groups"] = [{**g, STEPS_KEY: self.steps_taken} for g in sd["param_groups"]]
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -590,43 +556,50 @@ class SketchOptimizer(Optimizer):
 
         torch.optim casts tensor state to the parameter's dtype; here every state tensor keeps
         its saved dtype (the FP32 moments of a BF16 weight stay FP32), and the counters of
-        :data:`INT_STATE_KEYS` become Python ints whatever format wrote them, so resume is
-        bit-identical. Load pre hooks run first and what they return is what is loaded; load
-        post hooks run last, when projections and state are restored.
+        :data:`INT_STATE_KEYS` are Python ints, so resume is bit-identical. Load pre hooks run
+        first and what they return is what is loaded; load post hooks run last, when
+        projections and state are restored.
         """
-        pre, post = "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"
-        with self._hooks_held(pre, post) as held:
-            state_dict = dict(state_dict)
-            for hook in held[pre].values():
-                result = hook(self, state_dict)
-                if result is not None:
-                    state_dict = result
-            state_dict = dict(state_dict)
-            groups = [dict(g) for g in state_dict["param_groups"]]
-            in_groups = [g.pop("rgc_steps_taken", None) for g in groups]
-            state_dict["param_groups"] = groups
-            steps_taken = int(state_dict.pop("rgc_steps_taken", in_groups[0] if in_groups
-                                             and in_groups[0] is not None else 0))
-            saved = state_dict["state"]
-            ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        loaded: dict = {}
+
+        def take(optimizer, sd: dict) -> dict:  # after the user's pre hooks: what is loaded
+            sd = dict(sd)
+            groups = [dict(g) for g in sd["param_groups"]]
+            in_groups = [g.pop(STEPS_KEY, None) for g in groups]
+            sd["param_groups"] = groups
+            steps = sd.pop(STEPS_KEY, in_groups[0] if in_groups else None)
+            loaded.update(sd=sd, steps=0 if steps is None else int(steps))
+            return sd
+
+        pre = self.register_load_state_dict_pre_hook(take)
+        post = self.register_load_state_dict_post_hook(
+            lambda optimizer: self._restore_state(loaded["sd"], loaded["steps"]), prepend=True)
+        try:
             super().load_state_dict(state_dict)
-            self.steps_taken = steps_taken
-            params = [p for g in self.param_groups for p in g["params"]]
-            for pid, p in zip(ids, params, strict=True):
-                if pid not in saved:
-                    continue
-                state = self.state[p]
-                for key, value in saved[pid].items():
-                    if key in INT_STATE_KEYS:
-                        state[key] = int(value)
-                    elif torch.is_tensor(value):
-                        state[key] = value.to(device=p.device, copy=True)
-                if "weight_sq_norm" in state:
-                    # the saved norm belongs to the weights loaded with it (load them first)
-                    self._norm_versions[p] = p._version
-                layer = sketched_owner_of(p)
-                if layer is not None and "projection_version" in state:
-                    layer.seed = state["layer_seed"]
-                    layer.set_projection_version(state["projection_version"])
-        for hook in held[post].values():
-            hook(self)
+        finally:
+            pre.remove()
+            post.remove()
+
+    def _restore_state(self, sd: dict, steps_taken: int) -> None:
+        """rgc's load post hook, run before any other: the saved state tensors with their
+        dtypes, the counters as ints, and every compressed layer on its saved projection."""
+        self.steps_taken = steps_taken
+        saved = sd["state"]
+        ids = [i for g in sd["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(ids, params, strict=True):
+            if pid not in saved:
+                continue
+            state = self.state[p]
+            for key, value in saved[pid].items():
+                if key in INT_STATE_KEYS:
+                    state[key] = int(value)
+                elif torch.is_tensor(value):
+                    state[key] = value.to(device=p.device, copy=True)
+            if "weight_sq_norm" in state:
+                # the saved norm belongs to the weights loaded with it (load them first)
+                self._norm_versions[p] = p._version
+            layer = sketched_owner_of(p)
+            if layer is not None and "projection_version" in state:
+                layer.seed = state["layer_seed"]
+                layer.set_projection_version(state["projection_version"])

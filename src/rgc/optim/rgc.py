@@ -4,20 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from rgc import ops
-from rgc.optim.base import Partials, SketchOptimizer, check_common_args, group_lr
-from rgc.updates import DenseUpdate, StackUpdate, sum_squares
-
-
-def sketch_norm(sketch: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
-    """``||C P^T||_F`` from the r x r Gram ``P^T P`` without forming ``C P^T``. 0-dim FP32.
-
-    ``||H||_F^2 = trace(C (P^T P) C^T)``; C: d x r FP32 (or a stack ``[E, d, r]``: the norm of
-    the whole stack), P: k x r.
-    """
-    h2, _ = ops.sketch_stats([sketch.reshape(-1, *sketch.shape[-2:])], [projection])
-    return sqrt32(ops.pairwise_sums(h2.view(-1)))
-
+from rgc.optim.base import SketchOptimizer, check_common_args, group_lr
+from rgc.optim.rules import Proposal, rgc_dense, rgc_stack
 
 EXPERT_NORMS = ("stack", "expert")
 
@@ -25,29 +13,6 @@ EXPERT_NORMS = ("stack", "expert")
 def check_expert_norm(expert_norm) -> None:
     if expert_norm not in EXPERT_NORMS:
         raise ValueError(f"expert_norm must be one of {EXPERT_NORMS}, got {expert_norm!r}")
-
-
-def sqrt32(x: torch.Tensor) -> torch.Tensor:
-    """The correctly rounded FP32 square root of FP32 ``x``, so that its bits do not depend
-    on the tensor's size: torch's CUDA kernel is; its CPU kernel is not in its vector loop,
-    so there it goes through float64, whose 53 bits make the second rounding innocuous."""
-    if x.device.type == "cuda":
-        return x.sqrt()
-    return x.double().sqrt().to(torch.float32)
-
-
-def normalized_coef(weight_sq_norm: torch.Tensor, direction_sq_norm: torch.Tensor, lr,
-                    ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(coef, active)`` on the device: ``coef = lr * sqrt(||W||^2 / ||H||^2)`` where
-    ``active``, else 0.
-
-    ``active = ok & (||H|| > 0) & (lr != 0)``; tensors of one shape (FP32, bool) or 0-dim,
-    nothing read on the host.
-    """
-    active = ok & (direction_sq_norm > 0)
-    if torch.is_tensor(lr) or lr == 0:
-        active &= lr != 0
-    return torch.where(active, sqrt32(weight_sq_norm / direction_sq_norm) * lr, 0.0), active
 
 
 class RGCOptimizer(SketchOptimizer):
@@ -87,6 +52,8 @@ class RGCOptimizer(SketchOptimizer):
         seed: key of the rounding bits.
         step_control: e.g. :class:`rgc.PredictedKL`; scales each step's updates by one alpha.
         keep_updates: keep the last step's factors for :meth:`export_update` (policy sync).
+        comm: the communication strategy (``None``: one process); see
+            :class:`rgc.DistributedRGCOptimizer` for ``torch.distributed``.
         maximize: step along ``+H`` (ascend the objective) instead of ``-H``.
         expert_norm: the normalisation of a stack of experts (a 3-D expert weight):
             ``'expert'`` (default) normalises every expert by its own norms, so every expert
@@ -107,56 +74,29 @@ class RGCOptimizer(SketchOptimizer):
     ``step()``: a forward run before a step and backpropagated after it raises.
     """
 
+    reads_norms = True
+
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, *, chunk_rows: int | None = None,
                  stochastic_rounding: bool = True, seed: int = 0, step_control=None,
                  keep_updates: bool = False, maximize: bool = False,
-                 expert_norm: str = "expert"):
+                 expert_norm: str = "expert", comm=None):
         check_common_args(lr, chunk_rows, seed)
         check_expert_norm(expert_norm)
         defaults = dict(lr=lr, chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding,
                         seed=seed, maximize=maximize, expert_norm=expert_norm)
-        super().__init__(params, defaults, step_control=step_control, keep_updates=keep_updates)
+        super().__init__(params, defaults, step_control=step_control, keep_updates=keep_updates,
+                         comm=comm)
 
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)
         check_expert_norm(group.setdefault("expert_norm", "expert"))
 
-    def _stack_partials(self, entries, group) -> Partials:
-        owners = [e.owner for e in entries]
-        h2, finite = ops.sketch_stats([o.sketch_matrices() for o in owners],
-                                      [o.projection for o in owners])
-        return Partials.of(finite, sketch=h2,
-                           weight=self._weight_sq_norms(entries, group["chunk_rows"]))
+    def _propose_stack(self, entries, group, partials) -> Proposal:
+        return rgc_stack(partials, [e.owner.sketch_matrices() for e in entries],
+                         lr=group_lr(group, partials.finite.device), maximize=group["maximize"],
+                         expert_norm=group.get("expert_norm", "expert"))
 
-    def _propose_stack(self, entries, group, partials) -> StackUpdate:
-        sketches = [e.owner.sketch_matrices() for e in entries]
-        h2, finite, w2 = partials["sketch"], partials.finite, partials["weight"]
-        lr = group_lr(group, h2.device)
-        if h2.shape[1] > 1 and group.get("expert_norm", "expert") == "stack":
-            # one coefficient per stack, from the norms of the whole stack (finite experts)
-            coef, _ = normalized_coef(ops.pairwise_sums(w2).unsqueeze(1),
-                                      ops.pairwise_sums(torch.where(finite, h2, 0.0)).unsqueeze(1),
-                                      lr, finite.any(1, keepdim=True))
-            active = finite & (h2 > 0)
-            coefs = torch.where(active, coef, 0.0)
-        else:
-            coefs, active = normalized_coef(w2, h2, lr, finite)
-        if group["maximize"]:
-            coefs = -coefs
-        return self._stack_update(entries, group, sketches, coefs, None, active,
-                                  sq_norms=torch.empty_like(w2))
-
-    def _dense_partials(self, entry) -> Partials:
-        partials = super()._dense_partials(entry)
+    def _propose_dense(self, entry, partials) -> Proposal:
         p = entry.param
-        partials.sums["weight"] = sum_squares(p).reshape(1, 1)
-        partials.sums["direction"] = sum_squares(p.grad).reshape(1, 1)
-        return partials
-
-    def _propose_dense(self, p, group, state, seed, ok, partials) -> DenseUpdate:
-        coef, active = normalized_coef(partials["weight"].reshape(()),
-                                       partials["direction"].reshape(()),
-                                       group_lr(group, p.device), ok)
-        if group["maximize"]:
-            coef = -coef
-        return DenseUpdate(p, p.grad, coef, 0.0, seed, group["stochastic_rounding"], active)
+        return rgc_dense(partials, p.grad, lr=group_lr(entry.group, p.device),
+                         maximize=entry.group["maximize"])

@@ -6,9 +6,8 @@ import math
 
 import torch
 
-from rgc import ops
-from rgc.optim.base import Partials, SketchOptimizer, check_common_args
-from rgc.updates import DenseUpdate, StackUpdate
+from rgc.optim.base import SketchOptimizer, check_common_args
+from rgc.optim.rules import Proposal, adamw_dense, carry_moment, row_adam_stack
 
 
 def check_adam_args(betas, eps, weight_decay) -> None:
@@ -21,23 +20,6 @@ def check_adam_args(betas, eps, weight_decay) -> None:
     if (not isinstance(weight_decay, (int, float)) or not math.isfinite(weight_decay)
             or weight_decay < 0):
         raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
-
-
-def carry_moment(moment: torch.Tensor, old_projection: torch.Tensor,
-                 new_projection: torch.Tensor) -> torch.Tensor:
-    """A first moment ``m`` (d x r FP32) in the basis of ``old_projection`` moved to the new one.
-
-    ``m`` estimates ``G P_old``; the least-squares estimate of ``G`` within the old basis is
-    ``m (P_old^T P_old)^+ P_old^T``, and its sketch in the new basis is::
-
-        m_new = m (P_old^T P_old)^+ P_old^T P_new
-
-    which is ``m P_old^T P_new / (k/r)`` for the scaled orthonormal kind and ``m`` itself when
-    ``P_new = P_old``. Only r x r matrices are formed (in float64); returns a new d x r FP32.
-    """
-    old = old_projection.to(torch.float64)
-    transfer = torch.linalg.pinv(old.t() @ old) @ (old.t() @ new_projection.to(torch.float64))
-    return moment @ transfer.to(torch.float32)
 
 
 class RowAdam(SketchOptimizer):
@@ -89,6 +71,8 @@ class RowAdam(SketchOptimizer):
         seed: key of the rounding bits.
         step_control: e.g. :class:`rgc.PredictedKL`; scales each step's updates by one alpha.
         keep_updates: keep the last step's factors for :meth:`export_update` (policy sync).
+        comm: the communication strategy (``None``: one process); see
+            :class:`rgc.DistributedRowAdam` for ``torch.distributed``.
         maximize: ascend the objective: the moments are fed ``-S`` (``-grad``), as
             ``torch.optim.AdamW(maximize=True)`` does; weight decay still shrinks W.
 
@@ -105,75 +89,28 @@ class RowAdam(SketchOptimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, chunk_rows: int | None = None,
                  stochastic_rounding: bool = True, seed: int = 0, step_control=None,
-                 keep_updates: bool = False, maximize: bool = False):
+                 keep_updates: bool = False, maximize: bool = False, comm=None):
         check_common_args(lr, chunk_rows, seed)
         check_adam_args(betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding, seed=seed,
                         maximize=maximize)
-        super().__init__(params, defaults, step_control=step_control, keep_updates=keep_updates)
+        super().__init__(params, defaults, step_control=step_control, keep_updates=keep_updates,
+                         comm=comm)
 
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)
         check_adam_args(group["betas"], group["eps"], group["weight_decay"])
 
-    @staticmethod
-    def _moments(state: dict, group: dict, grad: torch.Tensor, ok: torch.Tensor,
-                 t: torch.Tensor) -> torch.Tensor:
-        """Elementwise Adam for a dense parameter: update ``exp_avg``/``exp_avg_sq`` from
-        ``grad`` where ``ok`` (0-dim bool; the moments are selected unchanged elsewhere) and
-        return the direction (not finite where ``ok`` is false: its coefficient is then 0).
-        ``t``: the applied-update count, 0-dim float64."""
-        beta1, beta2 = group["betas"]
-        if "exp_avg" not in state:
-            state["exp_avg"] = torch.zeros_like(grad, dtype=torch.float32)
-            state["exp_avg_sq"] = torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        g = grad.to(torch.float32)
-        m.copy_(torch.where(ok, m.mul(beta1).add_(g, alpha=1.0 - beta1), m))
-        v.copy_(torch.where(ok, v.mul(beta2).add_(g.square(), alpha=1.0 - beta2), v))
-        # bias corrections formed in float64 (as Python's beta ** t was) and used in FP32
-        correction1 = (1.0 - beta1 ** t).to(torch.float32)
-        correction2 = (1.0 - beta2 ** t).to(torch.float32)
-        denom = (v / correction2).sqrt_().add_(group["eps"])
-        return torch.div(m, correction1).div_(denom)
-
-    @staticmethod
-    def _coefs(group: dict, ok: torch.Tensor):
-        """``(coef, decay)``: ``lr`` and ``lr * weight_decay`` where ``ok``, else 0 (device;
-        ``decay`` is ``None`` when ``weight_decay == 0``).
-
-        A tensor ``lr`` gives the bits of the float: ``lr * weight_decay`` is formed in float64
-        and rounded once to FP32, as Python's product is."""
-        lr, wd = group["lr"], group["weight_decay"]
-        if torch.is_tensor(lr):
-            lr = lr.detach().reshape(()).to(device=ok.device, dtype=torch.float64)
-            decay = (lr * wd).to(torch.float32)
-            lr = lr.to(torch.float32)
-        else:
-            decay = lr * wd
-        decay = torch.where(ok, decay, 0.0) if wd != 0.0 else None
-        return torch.where(ok, lr, 0.0), decay
-
-    def _stack_partials(self, entries, group) -> Partials:
-        owners = [e.owner for e in entries]
-        h2, finite = ops.sketch_stats([o.sketch_matrices() for o in owners],
-                                      [o.projection for o in owners])
-        return Partials.of(finite, sketch=h2)
-
-    def _propose_stack(self, entries, group, partials) -> StackUpdate:
-        owners = [e.owner for e in entries]
-        sketches = [o.sketch_matrices() for o in owners]
-        h2, finite = partials["sketch"], partials.finite
-        active = self._active(entries, finite, h2)
+    def _propose_stack(self, entries, group, partials) -> Proposal:
+        sketches = [e.owner.sketch_matrices() for e in entries]
+        active = self._active(entries, partials.finite, partials["sketch"])
         steps = self._applied_updates(entries, active)
         exp_avgs, exp_avg_sqs = zip(*(self._row_moments(e.state, s, e.param.dim() == 2)
                                       for e, s in zip(entries, sketches, strict=True)))
-        beta1, beta2 = group["betas"]
-        ops.row_adam_(sketches, list(exp_avgs), list(exp_avg_sqs), active, steps, beta1, beta2,
-                      group["eps"], group["maximize"])
-        coefs, decays = self._coefs(group, active)
-        return self._stack_update(entries, group, sketches, coefs, decays, active)
+        return row_adam_stack(partials, sketches, list(exp_avgs), list(exp_avg_sqs), steps,
+                              active, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                              weight_decay=group["weight_decay"], maximize=group["maximize"])
 
     @staticmethod
     def _active(entries, finite: torch.Tensor, h2: torch.Tensor) -> torch.Tensor:
@@ -235,13 +172,17 @@ class RowAdam(SketchOptimizer):
         m, v = state["exp_avg"], state["exp_avg_sq"]
         return (m, v) if m.dim() == 3 else (m.unsqueeze(0), v.unsqueeze(0))
 
-    def _propose_dense(self, p, group, state, seed, ok, partials) -> DenseUpdate:
-        grad = -p.grad if group["maximize"] else p.grad
+    def _propose_dense(self, entry, partials) -> Proposal:
+        p, state, group = entry.param, entry.state, entry.group
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p.grad, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros(p.grad.shape, dtype=torch.float32,
+                                              device=p.grad.device)
         t = (state["step"] - state["skipped"]).to(torch.float64)
-        direction = self._moments(state, group, grad, ok, t)
-        coef, decay = self._coefs(group, ok)
-        return DenseUpdate(p, direction, coef, 0.0 if decay is None else decay, seed,
-                           group["stochastic_rounding"], ok)
+        return adamw_dense(p.grad, state["exp_avg"], state["exp_avg_sq"],
+                           partials.finite.reshape(()), t, lr=group["lr"], betas=group["betas"],
+                           eps=group["eps"], weight_decay=group["weight_decay"],
+                           maximize=group["maximize"])
 
     def _refresh_projections(self, entries) -> None:
         carried = [(e, e.owner.projection.clone()) for e in entries if "exp_avg" in e.state]
