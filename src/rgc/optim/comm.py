@@ -18,6 +18,16 @@ from rgc.updates import LowRankUpdate, StackUpdate
 __all__ = ["Local", "kept_records"]
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor import DTensor
+    return isinstance(t, DTensor)
+
+
 def kept_records(update) -> list[tuple]:
     """``(record, fingerprint before, projection seed)`` per parameter of ``update`` (a
     :class:`rgc.updates.StackUpdate` or :class:`rgc.updates.DenseUpdate`), with the factors
@@ -60,7 +70,15 @@ class Local:
     last_export_bytes = 0
 
     def attach(self, optimizer) -> None:
-        pass
+        """Refuse sharded (DTensor) parameters: this process holds only part of them."""
+        sharded = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"]
+                   if _is_dtensor(p)]
+        if sharded:
+            raise ValueError(
+                f"{type(optimizer).__name__} was given {len(sharded)} sharded DTensor "
+                f"parameter(s) (e.g. {sharded[0]}, from FSDP2's fully_shard) but no "
+                "communication strategy: use rgc.DistributedRGCOptimizer or "
+                "rgc.DistributedRowAdam (or comm=rgc.distributed.communication(params))")
 
     def exchange(self, params: list[torch.Tensor]) -> dict:
         return {}
