@@ -68,6 +68,29 @@ def test_fp32_step_matches_the_formula_exactly():
     assert abs((layer.weight.double() - w0).norm() / w0.norm() - tau) < 1e-5
 
 
+@pytest.mark.parametrize("lr_kind", ["float", "tensor"])
+def test_decoupled_weight_decay_is_folded_into_the_step(lr_kind):
+    layer = one_layer(torch.float32)
+    idle = CompressedLinear(5, 7, rank=2, seed=1)  # no backward: no sketch, not stepped
+    bias = nn.Parameter(torch.randn(6, dtype=torch.float64).float())
+    bias.grad = torch.randn(6)
+    w0, b0, g = (layer.weight.detach().double().clone(), bias.detach().double().clone(),
+                 bias.grad.double())
+    idle0 = idle.weight.detach().clone()
+    h = layer.sketch.double() @ layer.projection.double().T
+    tau, wd = 0.01, 0.5
+    lr = torch.tensor(tau) if lr_kind == "tensor" else tau
+    RGCOptimizer([layer.weight, bias, idle.weight], lr=lr, weight_decay=wd).step()
+    tau = float(torch.tensor(tau)) if lr_kind == "tensor" else tau  # the FP32 value used
+    expected = w0 * (1 - tau * wd) - tau * w0.norm() * h / h.norm()
+    torch.testing.assert_close(layer.weight.double(), expected, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(bias.double(), b0 * (1 - tau * wd) - tau * b0.norm() * g / g.norm(),
+                               rtol=1e-6, atol=1e-7)
+    assert torch.equal(idle.weight, idle0)  # decay only where there is an update
+    with pytest.raises(ValueError, match="weight_decay"):
+        RGCOptimizer([layer.weight], lr=0.1, weight_decay=-1.0)
+
+
 def bf16_below(x: torch.Tensor) -> torch.Tensor:
     """The largest BF16 number <= x (float64 in, float64 out; finite x)."""
     b = x.bfloat16().double()

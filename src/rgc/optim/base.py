@@ -111,6 +111,13 @@ def check_common_args(lr, chunk_rows, seed) -> None:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
 
 
+def check_weight_decay(weight_decay) -> None:
+    """ValueError unless ``weight_decay`` is a finite number >= 0 (as torch.optim.AdamW)."""
+    if (isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float))
+            or not math.isfinite(weight_decay) or weight_decay < 0):
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+
+
 #: Per-parameter state entries that are Python ints (never cast to the parameter's dtype).
 INT_STATE_KEYS = ("step", "skipped", "layer_seed", "projection_version")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rgc.optim.base import SketchOptimizer, check_common_args, group_lr
+from rgc.optim.base import SketchOptimizer, check_common_args, check_weight_decay, group_lr
 from rgc.optim.rules import Proposal, rgc_dense, rgc_stack
 
 EXPERT_NORMS = ("stack", "expert")
@@ -22,7 +22,7 @@ class RGCOptimizer(SketchOptimizer):
     projection ``P`` (k x r)::
 
         H = C P^T                                   (rebuilt chunk_rows rows at a time)
-        W <- W - lr * ||W||_F * H / ||H||_F         (||H||_F from the r x r Gram P^T P)
+        W <- W (1 - lr wd) - lr * ||W||_F * H / ||H||_F   (||H||_F from the Gram P^T P)
 
     written with stochastic rounding when W is BF16 (unbiased, counter-based bits keyed by
     ``(seed, parameter index, step)``) and with plain arithmetic when W is FP32. Then ``P`` is
@@ -64,6 +64,12 @@ class RGCOptimizer(SketchOptimizer):
             'expert' reached a lower held-out loss in 6 of 6 runs (3 seeds x 2 batch sizes,
             by 0.0003 to 0.017 nats). An expert that received no token (``C_e = 0``) is not
             updated under either rule: its bits are kept.
+        weight_decay: decoupled weight decay, as ``torch.optim.AdamW``'s: each step multiplies
+            W by ``1 - lr * weight_decay`` in the same rounded write as the update (so with
+            ``lr = tau`` the decay per step is ``tau * weight_decay``), for the matrices that
+            move this step (a finite, non-zero sketch or gradient); with ``maximize`` it still
+            shrinks W. Default 0 (RGC's rule keeps ``||W||``'s scale by itself; trainers such as
+            verl pass a ``weight_decay`` to every optimizer).
 
     **Dtypes.** Weights of compressed layers are BF16 or FP32. Any other real parameter is
     updated with FP32 arithmetic: an FP64 parameter receives an FP32-computed value each step
@@ -79,24 +85,27 @@ class RGCOptimizer(SketchOptimizer):
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, *, chunk_rows: int | None = None,
                  stochastic_rounding: bool = True, seed: int = 0, step_control=None,
                  keep_updates: bool = False, maximize: bool = False,
-                 expert_norm: str = "expert", comm=None):
+                 expert_norm: str = "expert", weight_decay: float = 0.0, comm=None):
         check_common_args(lr, chunk_rows, seed)
         check_expert_norm(expert_norm)
+        check_weight_decay(weight_decay)
         defaults = dict(lr=lr, chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding,
-                        seed=seed, maximize=maximize, expert_norm=expert_norm)
+                        seed=seed, maximize=maximize, expert_norm=expert_norm,
+                        weight_decay=weight_decay)
         super().__init__(params, defaults, step_control=step_control, keep_updates=keep_updates,
                          comm=comm)
 
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)
-        check_expert_norm(group.setdefault("expert_norm", "expert"))
+        check_expert_norm(group["expert_norm"])
+        check_weight_decay(group["weight_decay"])
 
     def _propose_stack(self, entries, group, partials) -> Proposal:
         return rgc_stack(partials, [e.owner.sketch_matrices() for e in entries],
                          lr=group_lr(group, partials.finite.device), maximize=group["maximize"],
-                         expert_norm=group.get("expert_norm", "expert"))
+                         expert_norm=group["expert_norm"], weight_decay=group["weight_decay"])
 
     def _propose_dense(self, entry, partials) -> Proposal:
-        p = entry.param
-        return rgc_dense(partials, p.grad, lr=group_lr(entry.group, p.device),
-                         maximize=entry.group["maximize"])
+        p, group = entry.param, entry.group
+        return rgc_dense(partials, p.grad, lr=group_lr(group, p.device),
+                         maximize=group["maximize"], weight_decay=group["weight_decay"])

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from rgc.optim.base import SketchOptimizer, check_common_args
+from rgc.optim.base import SketchOptimizer, check_common_args, check_weight_decay
 from rgc.optim.rules import Proposal, adamw_dense, carry_moment, row_adam_stack
 
 
@@ -17,9 +17,7 @@ def check_adam_args(betas, eps, weight_decay) -> None:
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
     if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
-    if (not isinstance(weight_decay, (int, float)) or not math.isfinite(weight_decay)
-            or weight_decay < 0):
-        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+    check_weight_decay(weight_decay)
 
 
 class RowAdam(SketchOptimizer):

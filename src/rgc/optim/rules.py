@@ -21,7 +21,7 @@ import torch
 
 from rgc import ops
 
-__all__ = ["Partials", "Proposal", "adamw_dense", "carry_moment", "normalized_coef",
+__all__ = ["Partials", "Proposal", "adamw_dense", "carry_moment", "decay_coefs", "normalized_coef",
            "rgc_dense", "rgc_stack", "row_adam_stack", "sketch_norm", "sqrt32"]
 
 
@@ -98,14 +98,15 @@ def normalized_coef(weight_sq_norm: torch.Tensor, direction_sq_norm: torch.Tenso
 
 
 def rgc_stack(partials: Partials, sketches: list[torch.Tensor], *, lr, maximize: bool,
-              expert_norm: str = "expert") -> Proposal:
-    """RGC's update of a stack: ``W <- W - lr ||W|| H / ||H||`` with ``H = C P^T``.
+              expert_norm: str = "expert", weight_decay: float = 0.0) -> Proposal:
+    """RGC's update of a stack: ``W <- W (1 - lr wd) - lr ||W|| H / ||H||``, ``H = C P^T``.
 
     ``partials``: ``sketch`` and ``weight`` sums (``[M, E]``); ``sketches``: the M weights'
     ``[E, d, r]`` FP32 sketches (the factors, unchanged); ``lr``: float or 0-dim FP32 tensor on
     the device. ``expert_norm='stack'`` gives all E matrices of a weight one coefficient from
     the norms of the whole stack (its finite matrices); ``'expert'`` normalises each matrix
-    by its own. The proposal asks for ``||W_new||^2`` (``sq_norms``).
+    by its own. ``weight_decay`` (``wd``) is decoupled, as AdamW's, and applied only to the
+    matrices that move. The proposal asks for ``||W_new||^2`` (``sq_norms``).
     """
     h2, finite, w2 = partials["sketch"], partials.finite, partials["weight"]
     if h2.shape[1] > 1 and expert_norm == "stack":
@@ -118,35 +119,45 @@ def rgc_stack(partials: Partials, sketches: list[torch.Tensor], *, lr, maximize:
         coefs, active = normalized_coef(w2, h2, lr, finite)
     if maximize:
         coefs = -coefs
-    return Proposal(sketches, coefs, None, active, sq_norms=torch.empty_like(w2))
+    return Proposal(sketches, coefs, decay_coefs(lr, weight_decay, active), active,
+                    sq_norms=torch.empty_like(w2))
 
 
-def rgc_dense(partials: Partials, grad: torch.Tensor, *, lr, maximize: bool) -> Proposal:
+def rgc_dense(partials: Partials, grad: torch.Tensor, *, lr, maximize: bool,
+              weight_decay: float = 0.0) -> Proposal:
     """RGC's normalised rule for a parameter with a dense gradient: ``partials`` has
     ``weight`` and ``direction`` (``1 x 1``); the direction is ``grad`` itself."""
     coef, active = normalized_coef(partials["weight"].reshape(()),
                                    partials["direction"].reshape(()), lr,
                                    partials.finite.reshape(()))
-    return Proposal(grad, -coef if maximize else coef, None, active)
+    return Proposal(grad, -coef if maximize else coef, decay_coefs(lr, weight_decay, active),
+                    active)
 
 
 # -- RowAdam: Adam with one second moment per row of the sketch -------------------------------
 
-def adam_coefs(lr, weight_decay: float, ok: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(coef, decay)``: ``lr`` and ``lr * weight_decay`` where ``ok``, else 0 (device;
-    ``decay`` is ``None`` when ``weight_decay == 0``).
+def decay_coefs(lr, weight_decay: float, active: torch.Tensor) -> torch.Tensor | None:
+    """Decoupled weight decay ``lr * weight_decay`` where ``active``, else 0 (FP32 on
+    ``active``'s device); ``None`` when ``weight_decay == 0``.
 
-    A tensor ``lr`` gives the bits of the float: ``lr * weight_decay`` is formed in float64
-    and rounded once to FP32, as Python's product is."""
+    A tensor ``lr`` gives the bits of the float: the product is formed in float64 and rounded
+    once to FP32, as Python's product is."""
+    if weight_decay == 0.0:
+        return None
     if torch.is_tensor(lr):
-        lr = lr.detach().reshape(()).to(device=ok.device, dtype=torch.float64)
+        lr = lr.detach().reshape(()).to(device=active.device, dtype=torch.float64)
         decay = (lr * weight_decay).to(torch.float32)
-        lr = lr.to(torch.float32)
     else:
         decay = lr * weight_decay
-    decay = torch.where(ok, decay, 0.0) if weight_decay != 0.0 else None
-    return torch.where(ok, lr, 0.0), decay
+    return torch.where(active, decay, 0.0)
+
+
+def adam_coefs(lr, weight_decay: float, ok: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(coef, decay)``: ``lr`` where ``ok``, else 0, and :func:`decay_coefs` (device)."""
+    coef = lr.detach().reshape(()).to(device=ok.device, dtype=torch.float32) \
+        if torch.is_tensor(lr) else lr
+    return torch.where(ok, coef, 0.0), decay_coefs(lr, weight_decay, ok)
 
 
 def row_adam_stack(partials: Partials, sketches: list[torch.Tensor],
