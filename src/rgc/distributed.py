@@ -46,9 +46,9 @@ from torch.optim import Optimizer
 from rgc.optim.base import Entry
 from rgc.optim.rgc import RGCOptimizer
 from rgc.optim.rowadam import RowAdam
+from rgc.payload import FINGERPRINT_MODULUS, KeptUpdate, fingerprint_tensor
 from rgc.registry import sketched_owner_of
 from rgc.seeding import derive_seed
-from rgc.sync import _PRIME, fingerprint_tensor
 from rgc.updates import DenseUpdate, LowRankUpdate, StackUpdate
 
 try:
@@ -732,7 +732,7 @@ class DistributedStep:
         return values
 
     # -- sketch-sized sync -----------------------------------------------------------------
-    def _kept(self, update) -> list:
+    def _kept(self, update) -> list[KeptUpdate | _ShardRecord]:
         members = update.members() if isinstance(update, StackUpdate) else [update]
         kept = []
         for m in members:
@@ -750,7 +750,7 @@ class DistributedStep:
                                      seed))
         return kept
 
-    def _payload_records(self) -> list[tuple]:
+    def _payload_records(self) -> list[KeptUpdate]:
         """Records of whole parameters: the row shards' factors (or dense directions)
         all-gathered, and their fingerprints before and after summed from each rank's share."""
         self.last_export_bytes = 0
@@ -768,10 +768,10 @@ class DistributedStep:
         if _is_active(self._mesh_group):
             dist.all_reduce(shares, group=self._mesh_group)
             self.last_export_bytes += shares.numel() * shares.element_size()
-        shares = shares % _PRIME
+        shares = shares % FINGERPRINT_MODULUS
         for r, value, base, result in zip(shards, whole, shares[0], shares[1], strict=True):
-            records.append((_of_whole(r.update, r.entry, value), base, r.projection_seed,
-                            result))
+            records.append(KeptUpdate(_of_whole(r.update, r.entry, value), base,
+                                      r.projection_seed, result))
         return records
 
 

@@ -26,10 +26,10 @@ import torch
 from torch.optim import Optimizer
 
 from rgc import ops
+from rgc.payload import KeptUpdate, build_payload, fingerprint_tensor
 from rgc.projection import advance_projections
 from rgc.registry import sketched_owner_of
 from rgc.seeding import derive_seed
-from rgc.sync import build_payload, fingerprint_tensor
 from rgc.updates import DenseUpdate, LowRankUpdate, StackUpdate, resolve_chunk_rows, to_host
 
 __all__ = ["DenseUpdate", "Entry", "LowRankUpdate", "Partials", "SketchOptimizer",
@@ -191,8 +191,8 @@ class SketchOptimizer(Optimizer):
         self.step_control = step_control
         self.keep_updates = bool(keep_updates)
         self.steps_taken = 0
-        # (update, fingerprint of the tensor before it, projection seed used) per parameter
-        self.last_updates: list[tuple] | None = None
+        # the applied updates of the last step, with the fingerprints before them
+        self.last_updates: list[KeptUpdate] | None = None
         self._warned_nonfinite = False
         # set by rgc.integrations.grad_norm / clip_grad_norm_ (the norms of the sketches)
         self.sketch_norm_read = False
@@ -502,16 +502,16 @@ class SketchOptimizer(Optimizer):
         return values
 
     @staticmethod
-    def _kept(update) -> list[tuple]:
-        """``(record, fingerprint before, projection seed)`` per parameter of ``update``, with
-        the factors copied (the sketches are cleared after the step)."""
+    def _kept(update) -> list[KeptUpdate]:
+        """A :class:`~rgc.payload.KeptUpdate` per parameter of ``update``, with the factors
+        copied (the sketches are cleared after the step)."""
         kept = []
         for m in (update.members() if isinstance(update, StackUpdate) else [update]):
             if isinstance(m, LowRankUpdate):
                 m.factor = m.factor.clone()
-                kept.append((m, fingerprint_tensor(m.param), m.layer.projection_seed))
+                kept.append(KeptUpdate(m, fingerprint_tensor(m.param), m.layer.projection_seed))
             else:
-                kept.append((m, fingerprint_tensor(m.param), None))
+                kept.append(KeptUpdate(m, fingerprint_tensor(m.param), None))
         return kept
 
     def _finish(self, stacks: list[list[Entry]]) -> None:
@@ -532,7 +532,7 @@ class SketchOptimizer(Optimizer):
                 e.state["projection_version"] = e.owner.projection_version
 
     def export_update(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The last step's updates as a sync payload (see :func:`rgc.sync.build_payload`).
+        """The last step's updates as a sync payload (see :func:`rgc.payload.build_payload`).
 
         ``model`` names the parameters (``model.named_parameters()``). Needs
         ``keep_updates=True`` and a completed ``step()``.
@@ -544,8 +544,8 @@ class SketchOptimizer(Optimizer):
             raise RuntimeError("export_update() called before the first step()")
         return build_payload(model, self._payload_records(), self.steps_taken)
 
-    def _payload_records(self) -> list[tuple]:
-        """The kept records as :func:`rgc.sync.build_payload` takes them (of whole
+    def _payload_records(self) -> list[KeptUpdate]:
+        """The kept updates as :func:`rgc.payload.build_payload` takes them (of whole
         parameters: a distributed optimizer gathers its row shards' here)."""
         return self.last_updates
 
