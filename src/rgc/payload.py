@@ -437,11 +437,15 @@ def build_payload(model: nn.Module, kept: list[KeptUpdate], step: int) -> dict[s
     ``model`` names the parameters (``model.named_parameters()``). Updates whose ``active``
     flag is false (skipped for a non-finite input, or no direction) are left out: the
     receiver's tensor stays as it is, as the trainer's did. A ``result`` of ``None`` is taken
-    of the parameter now: call this before the next step. Host reads: one copy per device of
-    the active flags, one of the fingerprints and coefficients, and the factors.
+    of the parameter now: call this before the next step. Host reads: one copy per device each
+    of the active flags, the fingerprints and the coefficients, then the factors.
 
     Use :meth:`rgc.RGCOptimizer.export_update` / :meth:`rgc.RowAdam.export_update`.
     """
+    for k in kept:
+        if not isinstance(k.update, (LowRankUpdate, DenseUpdate)):
+            raise TypeError(f"kept updates are LowRankUpdate or DenseUpdate, got "
+                            f"{type(k.update).__name__}")
     active = to_host([k.update.active.any() if torch.is_tensor(k.update.active)
                       else k.update.active for k in kept])
     kept = [k for k, keep in zip(kept, active, strict=True) if keep]
@@ -476,9 +480,6 @@ def _entry_of(name: str, kept: KeptUpdate, base: int, result: int, coef, decay
     if isinstance(update, DenseUpdate):
         return PayloadEntry(values=update.direction.detach().to("cpu", torch.float32),
                             coef=coef, decay=decay, chunk_rows=0, **common)
-    if not isinstance(update, LowRankUpdate):
-        raise TypeError(f"kept updates are LowRankUpdate or DenseUpdate, got "
-                        f"{type(update).__name__}")
     layer = update.layer
     factor = update.factor.detach().to("cpu", torch.float32)
     projection = ProjectionSpec(layer.projection_kind, layer.in_features, layer.rank,
