@@ -70,7 +70,7 @@ def measured_rows(steps: int) -> list[dict]:
 
     import rgc
     from rgc.integrations.vllm import push_update, push_weights
-    from rgc.sync import payload_nbytes
+    from rgc.payload import payload_nbytes
     from tests.vllm_engine import load_trainer, save_base, start_engine, train_step
 
     rows = []

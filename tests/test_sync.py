@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import rgc
+from rgc.payload import FINGERPRINT_A, FINGERPRINT_B, fingerprint, payload_checksum
 from tests.models import TwoLayerNet
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -114,7 +115,7 @@ def test_tampered_payload_is_rejected_and_receiver_untouched(case):
     payload = dict(opt.export_update(model))
     tamper, match = _tamper_cases(payload)[case]
     tamper(payload)
-    payload["rgc/checksum"] = rgc.sync.payload_checksum(payload)
+    payload["rgc/checksum"] = payload_checksum(payload)
     receiver = copy.deepcopy(base)
     before = _snapshot(receiver)
     with pytest.raises(ValueError, match=match):
@@ -237,12 +238,10 @@ def test_payload_is_sketch_sized():
 
 @pytest.mark.parametrize("dtype, width", [(torch.bfloat16, 16), (torch.float32, 32)])
 def test_fingerprint_follows_its_formula_and_sees_one_ulp(dtype, width):
-    from rgc.sync import _HASH_A, _HASH_B, fingerprint
-
     t = torch.randn(7, 5).to(dtype)
     ints = t.view(torch.int16 if width == 16 else torch.int32).flatten().tolist()
     m = 2 ** 31 - 1
-    expected = sum((b % 2 ** width) * ((i * _HASH_A + _HASH_B) % m)
+    expected = sum((b % 2 ** width) * ((i * FINGERPRINT_A + FINGERPRINT_B) % m)
                    for i, b in enumerate(ints)) % m
     assert fingerprint(t) == expected
     bumped = t.clone()

@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 
 import rgc  # noqa: E402
 from rgc.integrations.vllm import push_update, push_weights, read_weights  # noqa: E402
+from rgc.payload import payload_checksum  # noqa: E402
 from tests.vllm_engine import (  # noqa: E402
     DENSE,
     assert_generations_match_trainer,
@@ -134,18 +135,18 @@ def test_refused_payloads_leave_the_engine_unchanged(setup):
         "model.layers.1.mlp.up_proj.weight/factor"] * 1.5
     unchanged(lambda: push_update(llm, tampered), ValueError, "checksum")
     # the same change with a recomputed checksum: the check pass finds other bits
-    tampered["rgc/checksum"] = rgc.sync.payload_checksum(tampered)
+    tampered["rgc/checksum"] = payload_checksum(tampered)
     unchanged(lambda: push_update(llm, tampered), RuntimeError, "other bits")
     wrong_dtype = dict(payload)
     name = "model.layers.0.self_attn.q_proj.weight"
     options = payload[f"{name}/options"].clone()
     options[2] = 1 - options[2]
     wrong_dtype[f"{name}/options"] = options
-    wrong_dtype["rgc/checksum"] = rgc.sync.payload_checksum(wrong_dtype)
+    wrong_dtype["rgc/checksum"] = payload_checksum(wrong_dtype)
     unchanged(lambda: push_update(llm, wrong_dtype), ValueError, "dtype")
     unknown = {k.replace("layers.1.", "layers.7.") if k.startswith("model.layers.1.") else k: v
                for k, v in payload.items()}
-    unknown["rgc/checksum"] = rgc.sync.payload_checksum(unknown)
+    unknown["rgc/checksum"] = payload_checksum(unknown)
     unchanged(lambda: push_update(llm, unknown), ValueError, "no parameter")
 
     push_update(llm, payload)

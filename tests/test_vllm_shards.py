@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 import rgc
 from rgc.integrations.vllm.layout import Piece, combine, piece_fingerprint
-from rgc.integrations.vllm.receiver import PayloadError, Receiver, parse_payload
-from rgc.sync import fingerprint
+from rgc.integrations.vllm.receiver import Receiver
+from rgc.payload import PayloadError, decode, fingerprint
 
 D, K, VOCAB = 21, 18, 13
 
@@ -61,7 +61,7 @@ def _cuts(n, draw_points):
        seed=st.integers(0, 2**20), data=st.data())
 def test_blocks_updated_apart_equal_the_trainers_weight(dtype, opt_name, chunk_rows, seed, data):
     before, model, payload = _trained(dtype, opt_name, chunk_rows, seed)
-    _, entries = parse_payload(payload)
+    entries = decode(payload).entries
     assert {e.name for e in entries} == {"embed.weight", "up.weight", "down.weight",
                                          "norm.weight"}
     receiver = Receiver(model=None)
@@ -115,10 +115,10 @@ def test_combine_refuses_disagreeing_copies_and_gaps():
         combine([((0, 2, 0, 6), top)], 4, 6, "t")
 
 
-def test_parse_payload_refuses_a_changed_payload_before_reading_it():
+def test_decode_refuses_a_changed_payload_before_reading_it():
     _, _, payload = _trained(torch.bfloat16, "rowadam", 4, 0)
     payload["up.weight/factor"] = payload["up.weight/factor"] * 2
     with pytest.raises(PayloadError, match="checksum"):
-        parse_payload(payload)
+        decode(payload)
     with pytest.raises(PayloadError, match="not an rgc sync payload"):
-        parse_payload({"up.weight/factor": torch.zeros(1)})
+        decode({"up.weight/factor": torch.zeros(1)})

@@ -48,9 +48,9 @@ from rgc.optim.base import Entry
 from rgc.optim.comm import Local
 from rgc.optim.rgc import RGCOptimizer
 from rgc.optim.rowadam import RowAdam
+from rgc.payload import FINGERPRINT_MODULUS, KeptUpdate, fingerprint_tensor
 from rgc.registry import sketched_owner_of
 from rgc.seeding import derive_seed
-from rgc.sync import _PRIME, fingerprint_tensor
 from rgc.updates import DenseUpdate, LowRankUpdate, StackUpdate
 
 try:
@@ -752,7 +752,7 @@ class FSDP2(DataParallel):
                 zip(whole, items, strict=True)]
 
     # -- sketch-sized sync -----------------------------------------------------------------
-    def keep(self, update) -> list:
+    def keep(self, update) -> list[KeptUpdate | _ShardRecord]:
         members = update.members() if isinstance(update, StackUpdate) else [update]
         kept = []
         for m in members:
@@ -770,7 +770,7 @@ class FSDP2(DataParallel):
                                      seed))
         return kept
 
-    def payload_records(self, records: list) -> list[tuple]:
+    def payload_records(self, records: list) -> list[KeptUpdate]:
         """Records of whole parameters: the row shards' factors (or dense directions)
         all-gathered, and their fingerprints before and after summed from each rank's share."""
         self.last_export_bytes = 0
@@ -788,9 +788,10 @@ class FSDP2(DataParallel):
         if _is_active(self.mesh_group):
             dist.all_reduce(shares, group=self.mesh_group)
             self.last_export_bytes += shares.numel() * shares.element_size()
-        shares = shares % _PRIME
+        shares = shares % FINGERPRINT_MODULUS
         for r, value, base, result in zip(shards, whole, shares[0], shares[1], strict=True):
-            out.append((_of_whole(r.update, r.entry, value), base, r.projection_seed, result))
+            out.append(KeptUpdate(_of_whole(r.update, r.entry, value), base, r.projection_seed,
+                                  result))
         return out
 
 

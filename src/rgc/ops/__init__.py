@@ -46,6 +46,7 @@ from rgc.ops.reference import pairwise_sums
 IMPLEMENTATIONS = ("torch", "triton")
 
 __all__ = ["IMPLEMENTATIONS", "gaussian_matrices", "implementation", "implementation_for_device",
+           "integer_loop",
            "lowrank_update_", "make_projections_", "orthonormalize", "pairwise_sums",
            "random_words", "row_adam_", "run_under_mode", "sketch_stats", "stochastic_round_",
            "sum_squares", "triton_available"]
@@ -79,6 +80,14 @@ def implementation_for_device(device: torch.device) -> str:
     if device.type == "cuda" and triton_available():
         return "triton"
     return "torch"
+
+
+def integer_loop(fn, device: torch.device):
+    """``fn`` as the reference runs its integer hash loops on ``device``: on a CPU compiled
+    into one loop (eager where torch.compile cannot run), elsewhere ``fn`` itself. ``fn`` must
+    be elementwise torch code on integer tensors, whose result is the same either way (e.g. the
+    fingerprint of :mod:`rgc.payload`)."""
+    return reference._int32_loop(fn, device)
 
 
 def _kernel(name: str, device: torch.device):

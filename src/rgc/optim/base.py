@@ -37,7 +37,7 @@ from rgc.optim.rules import Partials, Proposal
 from rgc.projection import advance_projections
 from rgc.registry import sketched_owner_of
 from rgc.seeding import derive_seed
-from rgc.sync import build_payload
+from rgc.payload import KeptUpdate, build_payload
 from rgc.updates import (DenseUpdate, LowRankUpdate, StackUpdate, resolve_chunk_rows,
                          sum_squares, to_host)
 
@@ -188,8 +188,8 @@ class SketchOptimizer(Optimizer):
         self.step_control = step_control
         self.keep_updates = bool(keep_updates)
         self.steps_taken = 0
-        # the kept records of the last step's updates (see rgc.optim.comm.kept_records)
-        self.last_updates: list | None = None
+        # the applied updates of the last step, with the fingerprints before them
+        self.last_updates: list[KeptUpdate] | None = None
         self._warned_nonfinite = False
         # set by rgc.integrations.grad_norm / clip_grad_norm_ (the norms of the sketches)
         self.sketch_norm_read = False
@@ -504,7 +504,7 @@ class SketchOptimizer(Optimizer):
             self._warned_nonfinite = True
 
     def export_update(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The last step's updates as a sync payload (see :func:`rgc.sync.build_payload`).
+        """The last step's updates as a sync payload (see :func:`rgc.payload.build_payload`).
 
         ``model`` names the parameters (``model.named_parameters()``). Needs
         ``keep_updates=True`` and a completed ``step()``; collective under a distributed

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from rgc.sync import fingerprint_tensor
+from rgc.payload import KeptUpdate, fingerprint_tensor
 from rgc.updates import LowRankUpdate, StackUpdate
 
 __all__ = ["Local", "kept_records"]
@@ -28,17 +28,17 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def kept_records(update) -> list[tuple]:
-    """``(record, fingerprint before, projection seed)`` per parameter of ``update`` (a
+def kept_records(update) -> list[KeptUpdate]:
+    """A :class:`rgc.payload.KeptUpdate` per parameter of ``update`` (a
     :class:`rgc.updates.StackUpdate` or :class:`rgc.updates.DenseUpdate`), with the factors
     copied (the sketches are cleared after the step)."""
     kept = []
     for m in (update.members() if isinstance(update, StackUpdate) else [update]):
         if isinstance(m, LowRankUpdate):
             m.factor = m.factor.clone()
-            kept.append((m, fingerprint_tensor(m.param), m.layer.projection_seed))
+            kept.append(KeptUpdate(m, fingerprint_tensor(m.param), m.layer.projection_seed))
         else:
-            kept.append((m, fingerprint_tensor(m.param), None))
+            kept.append(KeptUpdate(m, fingerprint_tensor(m.param), None))
     return kept
 
 
@@ -61,7 +61,7 @@ class Local:
     * ``whole_updates(updates)``, ``sum_over_ranks(values)``: what a step controller sees.
     * ``keep(update) -> list``, ``payload_records(records) -> list``: the kept records of an
       applied update (taken before it is applied), and those records as records of whole
-      parameters for a sync payload (:func:`rgc.sync.build_payload`).
+      parameters for a sync payload (:func:`rgc.payload.build_payload`).
     * ``finish()``: after the step.
     """
 

@@ -23,7 +23,7 @@ calls), :mod:`.cpu` (CPU-backend workarounds, installed on import when vLLM runs
 from rgc.integrations.vllm import cpu
 from rgc.integrations.vllm.client import push_update, push_weights, read_weights
 from rgc.integrations.vllm.extension import RGCWorkerExtension
-from rgc.integrations.vllm.receiver import PayloadError
+from rgc.payload import PayloadError
 
 cpu.install()
 

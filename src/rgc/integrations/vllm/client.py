@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from rgc.integrations.vllm.extension import INLINE_PREFIX, RGCWorkerExtension
 from rgc.integrations.vllm.layout import combine
-from rgc.sync import fingerprint, payload_nbytes
+from rgc.payload import decode, fingerprint, payload_nbytes
 
 _EXTENSION = "rgc.integrations.vllm.RGCWorkerExtension"
 _RESYNC = "Resend the full weights with rgc.integrations.vllm.push_weights(engine, model)"
@@ -147,6 +147,7 @@ def push_update(engine, payload: dict[str, torch.Tensor]) -> int:
     one the engine would not reproduce ``RuntimeError``, both with the engine's weights
     unchanged. After the write the prefix cache is reset. Returns the bytes sent.
     """
+    entries = {e.name: e for e in decode(payload).entries}
     handle = engine_of(engine)
     source, nbytes, cleanup = handle.send(payload)
     try:
@@ -154,22 +155,20 @@ def push_update(engine, payload: dict[str, torch.Tensor]) -> int:
     finally:
         cleanup()
     step = replies[0]["step"]
-    dims = {n: (int(payload[f"{n}/factor"].shape[0]), int(payload[f"{n}/projection"][1]))
-            if f"{n}/factor" in payload else _dims(payload[f"{n}/direction"])
-            for n in replies[0]["shares"]}
+    dims = {n: (entries[n].d, entries[n].k) for n in replies[0]["shares"]}
     try:
         base, new = _combined(replies, 1, dims), _combined(replies, 2, dims)
     except RuntimeError:
         handle.call("rgc_discard")
         raise
-    stale = sorted(n for n in base if base[n] != int(payload[f"{n}/base"]))
+    stale = sorted(n for n in base if base[n] != entries[n].base)
     if stale:
         handle.call("rgc_discard")
         raise ValueError(f"the engine's {stale} are not the tensors step {step} was computed "
                          "from (fingerprint mismatch): a step was missed, repeated or "
                          f"reordered, or the engine started from other weights; nothing was "
                          f"changed. {_RESYNC}")
-    diverged = sorted(n for n in new if new[n] != int(payload[f"{n}/result"]))
+    diverged = sorted(n for n in new if new[n] != entries[n].result)
     if diverged:
         handle.call("rgc_discard")
         raise RuntimeError(f"the engine would compute other bits than the trainer for "
@@ -178,7 +177,7 @@ def push_update(engine, payload: dict[str, torch.Tensor]) -> int:
                            "after every step")
     written = _combined(handle.call("rgc_commit", step), 1, dims)
     handle.reset_prefix_cache()
-    wrong = sorted(n for n in written if written[n] != int(payload[f"{n}/result"]))
+    wrong = sorted(n for n in written if written[n] != entries[n].result)
     if wrong:
         raise RuntimeError(f"after writing step {step} the engine's {wrong} differ from the "
                            f"trainer's although the check pass agreed (non-deterministic "

@@ -18,7 +18,8 @@ import os
 
 import torch
 
-from rgc.integrations.vllm.receiver import PayloadError, Receiver
+from rgc.integrations.vllm.receiver import Receiver
+from rgc.payload import PayloadError
 
 INLINE_PREFIX = "base64:"
 

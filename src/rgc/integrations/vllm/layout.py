@@ -14,7 +14,7 @@ parameter. vLLM fuses and shards its linear layers:
 
 Element ``(i, j)`` of a piece is element ``(row0 + i, col0 + j)`` of the trainer's ``d x k``
 matrix (1-D tensors are ``d x 1``), whose flat index ``(row0 + i) * k + col0 + j`` keys both
-its stochastic-rounding bits and its term in :func:`rgc.sync.fingerprint`. The fingerprint is
+its stochastic-rounding bits and its term in :func:`rgc.payload.fingerprint`. The fingerprint is
 a sum over elements modulo a prime, so the partial sums of the pieces (one copy of each
 replicated piece) add up to the fingerprint of the whole tensor: :func:`piece_fingerprint`.
 """
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from rgc.sync import _PRIME, fingerprint_share
+from rgc.payload import FINGERPRINT_MODULUS, fingerprint_share
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def locate(model: nn.Module, name: str) -> Piece:
 
 @torch.no_grad()
 def piece_fingerprint(values: torch.Tensor, row0: int, col0: int, k: int) -> int:
-    """This block's share of :func:`rgc.sync.fingerprint` of the whole ``d x k`` tensor.
+    """This block's share of :func:`rgc.payload.fingerprint` of the whole ``d x k`` tensor.
 
     ``values`` (BF16 or FP32, ``rows x cols``) is the block at row ``row0``, column ``col0``.
     The shares of disjoint blocks covering the tensor add up (mod ``2^31 - 1``) to its
@@ -180,4 +180,4 @@ def combine(shares: list[tuple[tuple, int]], d: int, k: int, name: str) -> int:
     if covered != d * k:
         raise RuntimeError(f"the engine's ranks hold {covered} of the {d * k} elements of "
                            f"{name!r}; rgc does not know this engine layout")
-    return sum(by_key.values()) % _PRIME
+    return sum(by_key.values()) % FINGERPRINT_MODULUS

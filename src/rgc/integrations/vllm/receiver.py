@@ -15,129 +15,30 @@ cannot reproduce leaves its weights as they were:
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 
 from rgc.integrations.vllm.layout import Piece, locate, piece_fingerprint
-from rgc.projection import PROJECTION_KINDS, make_projection
-from rgc.sync import _DTYPES, check_payload_header, payload_scalar
+from rgc.payload import PayloadEntry, PayloadError, decode
+from rgc.projection import make_projection
 from rgc.updates import apply_dense_update_, apply_lowrank_update_
-
-_FIELDS = {"lowrank": {"factor", "coef", "decay", "seed", "projection", "options", "base",
-                       "result"},
-           "dense": {"direction", "coef", "decay", "seed", "options", "base", "result"}}
-
 
 _DENSE_CHUNK = 1 << 22
 
 
-class PayloadError(ValueError):
-    """A payload (or a request) the engine refuses; nothing was changed."""
+def _check_supported(entry: PayloadEntry) -> None:
+    """Refuse what this receiver does not write: stacks of experts, 0-dim parameters."""
+    if entry.stack is not None:
+        raise PayloadError(
+            f"payload entry {entry.name!r} updates a stack of experts; vLLM keeps mixture-of-"
+            "experts weights in its own fused layout, which this receiver does not write "
+            "yet: resync those weights with push_weights(), or train the experts frozen")
+    if entry.values.dim() < 1:
+        raise PayloadError(f"payload {entry.name!r}: the update must have at least one "
+                           f"dimension, got shape {tuple(entry.values.shape)}")
 
 
-@dataclass
-class Entry:
-    """One parameter's update from a payload, in the trainer's ``d x k`` view.
-
-    ``values``: the low-rank factor U (d x r FP32) or the dense direction (d x k FP32).
-    """
-
-    name: str
-    kind: str
-    values: torch.Tensor
-    coef: float
-    decay: float
-    seed: int
-    chunk_rows: int
-    stochastic_rounding: bool
-    dtype: torch.dtype
-    base: int
-    result: int
-    k: int
-    projection: tuple[str, int, int] | None = None  # (kind, r, projection seed)
-
-    @property
-    def d(self) -> int:
-        return self.values.shape[0]
-
-
-def _scalar(payload, key, dtype):
-    return payload_scalar(payload[key], key, dtype, PayloadError)
-
-
-def _ints(payload, key, n) -> list[int]:
-    t = payload[key]
-    if t.dtype != torch.int64 or tuple(t.shape) != (n,):
-        raise PayloadError(f"payload entry {key} must be int64 of shape ({n},)")
-    return [int(x) for x in t]
-
-
-def parse_payload(payload: dict[str, torch.Tensor]) -> tuple[int, list[Entry]]:
-    """``(step, entries)`` of an rgc sync payload (format of :mod:`rgc.sync`).
-
-    Checks the format, the checksum (first, so an altered payload is refused whatever it
-    holds), each entry's fields, dtypes and shapes, and that the values are finite. Raises
-    :class:`PayloadError`.
-    """
-    check_payload_header(payload, PayloadError)
-    step = _scalar(payload, "rgc/step", torch.int64)
-    fields: dict[str, set[str]] = {}
-    for key in payload:
-        if key.startswith("rgc/"):
-            continue
-        name, sep, field = key.rpartition("/")
-        if field == "stack":
-            raise PayloadError(
-                f"payload entry {name!r} updates a stack of experts; vLLM keeps mixture-of-"
-                "experts weights in its own fused layout, which this receiver does not write "
-                "yet: resync those weights with push_weights(), or train the experts frozen")
-        if not sep or field not in _FIELDS["lowrank"] | _FIELDS["dense"]:
-            raise PayloadError(f"payload key {key!r} is not '<parameter>/<field>'")
-        fields.setdefault(name, set()).add(field)
-    entries = []
-    for name, have in fields.items():
-        kind = "lowrank" if "factor" in have else "dense"
-        if have != _FIELDS[kind]:
-            raise PayloadError(f"payload entry for {name!r} is incomplete or mixed: it has "
-                               f"fields {sorted(have)}; expected {sorted(_FIELDS[kind])}")
-        chunk_rows, sr, dtype_code = _ints(payload, f"{name}/options", 3)
-        if dtype_code not in range(len(_DTYPES)):
-            raise PayloadError(f"payload entry {name}/options has an unknown dtype code "
-                               f"{dtype_code}")
-        values = payload[f"{name}/{'factor' if kind == 'lowrank' else 'direction'}"]
-        if values.dtype != torch.float32 or values.dim() < 1:
-            raise PayloadError(f"payload {name!r}: the update must be FP32 with at least one "
-                               f"dimension, got {values.dtype} {tuple(values.shape)}")
-        projection = None
-        if kind == "lowrank":
-            pkind, k, r, pseed = _ints(payload, f"{name}/projection", 4)
-            if (values.dim() != 2 or values.shape[1] != r or r < 1 or k < 1 or chunk_rows < 1
-                    or pkind not in range(len(PROJECTION_KINDS))):
-                raise PayloadError(f"payload {name!r}: factor {tuple(values.shape)} with "
-                                   f"projection (kind {pkind}, k={k}, r={r}) and chunk_rows "
-                                   f"{chunk_rows} is not a valid low-rank update")
-            projection = (PROJECTION_KINDS[pkind], r, pseed)
-        else:
-            k = math.prod(values.shape[1:]) if values.dim() > 1 else 1
-            values = values.reshape(values.shape[0], k)
-        if not bool(torch.isfinite(values).all()):
-            raise PayloadError(f"payload entry for {name!r} holds non-finite values")
-        entries.append(Entry(
-            name=name, kind=kind, values=values, coef=_scalar(payload, f"{name}/coef",
-                                                              torch.float64),
-            decay=_scalar(payload, f"{name}/decay", torch.float64),
-            seed=_scalar(payload, f"{name}/seed", torch.int64), chunk_rows=max(chunk_rows, 1),
-            stochastic_rounding=bool(sr), dtype=_DTYPES[dtype_code],
-            base=_scalar(payload, f"{name}/base", torch.int64),
-            result=_scalar(payload, f"{name}/result", torch.int64), k=k,
-            projection=projection))
-    return step, entries
-
-
-def write_chunk(work: torch.Tensor, entry: Entry, row: int, projection) -> None:
+def write_chunk(work: torch.Tensor, entry: PayloadEntry, row: int, projection) -> None:
     """Apply ``entry``'s update to ``work``: trainer rows ``[row, row + len(work))``, all ``k``
     columns, in place, with the rounding bits of flat indices ``row * k + i * k + j``.
 
@@ -147,8 +48,9 @@ def write_chunk(work: torch.Tensor, entry: Entry, row: int, projection) -> None:
     """
     offset = row * entry.k
     rows = slice(row, row + work.shape[0])
-    values = entry.values[rows].to(work.device)
-    if entry.kind == "dense":
+    matrix = entry.values if entry.lowrank else entry.values.reshape(entry.d, entry.k)
+    values = matrix[rows].to(work.device)
+    if not entry.lowrank:
         apply_dense_update_(work, values, entry.coef, decay=entry.decay, seed=entry.seed,
                             stochastic_rounding=entry.stochastic_rounding, offset=offset)
         return
@@ -158,11 +60,11 @@ def write_chunk(work: torch.Tensor, entry: Entry, row: int, projection) -> None:
                               stochastic_rounding=entry.stochastic_rounding)
 
 
-def _chunks(piece: Piece, entry: Entry):
+def _chunks(piece: Piece, entry: PayloadEntry):
     """``(trainer row of the chunk, its row count, first row of the piece in it, rows of the
     piece in it)`` over the trainer's chunk grid. A dense update is elementwise (any chunks
     give the same bits): chunks of about ``_DENSE_CHUNK`` elements."""
-    step = entry.chunk_rows if entry.kind == "lowrank" else max(1, _DENSE_CHUNK // entry.k)
+    step = entry.chunk_rows if entry.lowrank else max(1, _DENSE_CHUNK // entry.k)
     end = piece.row0 + piece.rows
     start = piece.row0 - piece.row0 % step
     while start < end:
@@ -181,7 +83,7 @@ class Receiver:
     def __init__(self, model: nn.Module):
         self.model = model
         self.step: int | None = None  # the last step applied; None after a full load
-        self.pending: tuple[int, list[tuple[Entry, Piece]]] | None = None
+        self.pending: tuple[int, list[tuple[PayloadEntry, Piece]]] | None = None
         self._pieces: dict[str, Piece] = {}
 
     def params(self) -> dict[str, torch.Tensor]:
@@ -196,7 +98,7 @@ class Receiver:
                                    "architecture") from None
         return self._pieces[name]
 
-    def _checked_piece(self, entry: Entry, params) -> Piece:
+    def _checked_piece(self, entry: PayloadEntry, params) -> Piece:
         piece = self.piece(entry.name)
         param = params[piece.param]
         if param.numel() == 0:
@@ -213,14 +115,15 @@ class Receiver:
                                f"but the engine's tensor is {piece.d} x {piece.k}")
         return piece
 
-    def _projection(self, entry: Entry, device, dtype):
-        if entry.kind == "dense":
+    def _projection(self, entry: PayloadEntry, device, dtype):
+        if not entry.lowrank:
             return None
-        kind, r, seed = entry.projection
-        return make_projection(kind, entry.k, r, seed=seed, device=device, dtype=dtype)
+        spec = entry.projection
+        return make_projection(spec.kind, spec.k, spec.r, seed=spec.seed, device=device,
+                               dtype=dtype)
 
     @torch.no_grad()
-    def _pass(self, entry: Entry, piece: Piece, params, *, write: bool) -> int:
+    def _pass(self, entry: PayloadEntry, piece: Piece, params, *, write: bool) -> int:
         """Replay ``entry`` on ``piece``: into a scratch buffer (``write=False``; returns the
         share of the fingerprint the piece would have) or in place (returns the new share)."""
         view = piece.view(params)
@@ -250,14 +153,17 @@ class Receiver:
         the payload stays pending until :meth:`commit` or :meth:`discard`.
         """
         self.pending = None
-        step, entries = parse_payload(payload)
+        decoded = decode(payload)
+        step = decoded.step
+        for entry in decoded.entries:
+            _check_supported(entry)
         if self.step is not None and step != self.step + 1:
             raise PayloadError(f"wrong step order: the engine applied step {self.step} last, "
                                f"this payload is step {step} (expected {self.step + 1}); send "
                                "the missing payloads in order, or resend the weights with "
                                "push_weights")
         params = self.params()
-        planned = [(e, self._checked_piece(e, params)) for e in entries]
+        planned = [(e, self._checked_piece(e, params)) for e in decoded.entries]
         shares = {}
         for entry, piece in planned:
             base = piece_fingerprint(piece.view(params), piece.row0, piece.col0, entry.k)
