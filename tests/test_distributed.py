@@ -299,8 +299,36 @@ def _matrix_worker(rank: int, world: int, out: Path) -> None:
         records["refusals"] = _refusals(rank, world)
         records["largest"] = _largest_tensor(rank, world)
         records["sketch"] = _whole_batch_sketch(rank, world)
+        records["clip"] = {mode: _train_clipped(rank, world, mode) for mode in ("dp", "fsdp")}
         _dcp_save(rank, world, out)
     torch.save(records, out / f"matrix{rank}.pt")
+
+
+CLIP_STEPS = 3
+MAX_NORM = 1e-2  # far below the gradients' norm: every step is clipped
+
+
+def _train_clipped(rank: int, world: int, mode: str) -> dict:
+    """RowAdam with rgc.integrations.clip_grad_norm_ before each step (deferred to the step,
+    by the global norm); the norms it returned, read after each step, and the weights."""
+    from rgc.integrations import clip_grad_norm_
+
+    net = build()
+    if mode == "fsdp":
+        _shard(net)
+    opt, _ = make_optimizer("rowadam", net.parameters(), distributed=True, kl=False)
+    record = {"pre": [], "post": [], "norms": []}
+    for step in range(CLIP_STEPS):
+        record["pre"].append(full_state(net))
+        loss_on(net, step, rank, world).backward()
+        norm = clip_grad_norm_(opt, MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        record["norms"].append(norm.clone())
+        record["post"].append(full_state(net))
+    record["moments"] = {name: row_moments(opt.state[p]) for name, p in net.named_parameters()
+                         if name in COMPRESSED}
+    return record
 
 
 def _experts_model(init_seed: int = 0):
@@ -763,6 +791,67 @@ def _whole_batch_sketch(rank: int, world: int) -> dict:
     sent = all_reduce_sketches(net)
     return {"pre": pre, "sketch": net.up_proj.sketch.clone(), "sent": sent,
             "projection": net.up_proj.projection.clone()}
+
+
+def _float64_norm(net) -> float:
+    """The norm of every pending gradient estimate, in float64: ||C P^T|| of each sketch and
+    the head's gradients."""
+    total = 0.0
+    for name, layer in rgc.compressed_layers(net):
+        total += float((layer.sketch.double() @ layer.projection.double().T).square().sum())
+    total += sum(float(p.grad.double().square().sum()) for p in net.head.parameters())
+    return math.sqrt(total)
+
+
+@pytest.mark.parametrize("mode", ["dp", "fsdp"])
+def test_clipping_uses_the_global_norm_of_the_reduced_estimates(runs, mode):
+    """clip_grad_norm_ under a distributed optimizer returns the global norm (filled in by the
+    step) and every rank clips by it: the norm equals a float64 norm of the single process's
+    whole-batch estimates, and the weights and moments equal the single process clipping by
+    the same rule (bit for bit under data parallel on 2 processes; within the rounding bound
+    of the ranks' partial sums under FSDP2). The clip factor (about 1e-3) shows in the
+    moments, which are far below an unclipped run's."""
+    records = [r["clip"][mode] for r in runs[2]]
+    net = build()
+    opt, _ = make_optimizer("rowadam", net.parameters(), distributed=False, kl=False)
+    free = build()
+    free_opt, _ = make_optimizer("rowadam", free.parameters(), distributed=False, kl=False)
+    for step, pre in enumerate(records[0]["pre"]):
+        for r in (0, 1):
+            assert torch.equal(records[r]["norms"][step], records[0]["norms"][step])
+            for k, v in records[r]["post"][step].items():
+                assert torch.equal(v, records[0]["post"][step][k]), (mode, step, k)
+        for model in (net, free):
+            load(model, pre)
+            for r in range(2):
+                (loss_on(model, step, r, 2) / 2).backward()
+        want = _float64_norm(net)
+        norm = opt.clip_at_step(MAX_NORM)
+        opt.step()
+        free_opt.step()
+        opt.zero_grad()
+        free_opt.zero_grad()
+        got = float(records[0]["norms"][step])
+        assert want > 10 * MAX_NORM
+        assert got == pytest.approx(want, rel=1e-5), (mode, step)
+        assert float(norm) == pytest.approx(want, rel=1e-5)
+        ref = full_state(net)
+        for k in COMPRESSED:
+            got_w = records[0]["post"][step][k]
+            if mode == "dp":
+                assert torch.equal(got_w, ref[k]), (mode, step, k)
+            else:
+                assert int(bf16_ulps(got_w, ref[k]).max()) <= 1, (mode, step, k)
+    for (name, p), q in zip(net.named_parameters(), free.parameters(), strict=True):
+        if name not in COMPRESSED:
+            continue
+        mine = records[0]["moments"][name]["exp_avg"][1]
+        clipped, unclipped = opt.state[p]["exp_avg"], free_opt.state[q]["exp_avg"]
+        if mode == "dp":
+            assert torch.equal(mine, clipped), name
+        else:
+            torch.testing.assert_close(mine, clipped, rtol=1e-5, atol=1e-12)
+        assert float(clipped.norm()) < 0.1 * float(unclipped.norm()), name
 
 
 def test_data_parallel_sketch_is_the_whole_batch_sketch(runs):

@@ -543,6 +543,8 @@ class DataParallel(Local):
     last step, ``last_export_bytes`` those of the last ``export_update()``.
     """
 
+    exchanges = True
+
     def __init__(self, group=None, bucket_mb: float = DEFAULT_BUCKET_MB):
         _check_bucket_mb(bucket_mb)
         self.group = group

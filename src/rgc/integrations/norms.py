@@ -14,9 +14,17 @@ clips nothing. :func:`grad_norm` and :func:`clip_grad_norm_` work from the optim
   exceeds ``max_norm`` every sketch and dense gradient is scaled by ``max_norm / norm`` in place
   (d x r per compressed weight, no dense temporary). As with AdamW, this bounds how much one
   outlier batch moves the moments.
-* Under multi-process data parallel the sketches are all-reduced inside ``step()``, after any
-  clipping; a norm of the local sketches would clip each rank differently, so clipping is
-  declined there (one-time warning) and the norm returned is the local one.
+* Under a distributed optimizer (:class:`rgc.DistributedRGCOptimizer`,
+  :class:`rgc.DistributedRowAdam`: data parallel or FSDP2) the sketches are reduced inside
+  ``step()``, so the clipping happens there, by the global norm of the reduced sketches and
+  gradients, from the partial sums the step already measures and all-reduces
+  (:meth:`rgc.optim.SketchOptimizer.clip_at_step`): every rank clips by the same factor, with
+  no extra collective and no host read. The returned norm is then a 0-dim tensor that
+  ``step()`` fills in place: read it after the step (trainers log it after the step).
+* A single-process optimizer under an initialised process group (sketches averaged by the
+  caller with :func:`rgc.distributed.all_reduce_sketches`, or not at all) cannot know whether
+  the local sketches are the averaged ones: clipping is declined there (one-time warning) and
+  the norm returned is the local one.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import warnings
 import torch
 
 from rgc import ops
-from rgc.optim import RGCOptimizer, SketchOptimizer
+from rgc.optim import SketchOptimizer
 from rgc.optim.rules import sketch_norm, sqrt32
 from rgc.registry import sketched_owner_of
 from rgc.updates import sum_squares
@@ -95,26 +103,38 @@ def _distributed() -> bool:
 def clip_grad_norm_(optimizer, max_norm: float) -> torch.Tensor:
     """Clip the pending gradient estimates of ``optimizer`` to ``max_norm`` (see module docs).
 
-    Returns the total norm before clipping (0-dim FP32), like ``torch.nn.utils.clip_grad_norm_``.
+    Returns the total norm before clipping (0-dim FP32), like ``torch.nn.utils.clip_grad_norm_``;
+    under a distributed optimizer the global norm, filled in by ``step()`` (module docs).
     ``max_norm`` of ``inf`` (or <= 0) only measures. Call it after backward, before ``step()``.
     """
     opt = unwrap_optimizer(optimizer)
+    if opt.comm.exchanges:
+        opt.sketch_norm_read = True
+        if not opt.clips_gradients and max_norm is not None and 0 < max_norm < math.inf:
+            _warn_normalised(opt, max_norm)
+        return opt.clip_at_step(math.inf if max_norm is None or max_norm <= 0 else max_norm)
     total = grad_norm(opt)
     if max_norm is None or max_norm <= 0 or math.isinf(max_norm):
         return total
-    if isinstance(opt, RGCOptimizer):
-        _warn_once("rgc", f"gradient clipping (max_norm={max_norm}) has no effect with "
-                   f"{type(opt).__name__}: its update is normalised (W <- W - lr ||W|| H / ||H||),"
-                   " so the step size is set by lr alone and clipping is skipped. Set "
-                   "max_grad_norm=0 to silence this warning; the logged grad_norm is ||H||.")
+    if not opt.clips_gradients:
+        _warn_normalised(opt, max_norm)
         return total
     if _distributed():
-        _warn_once("dist", "gradient clipping is skipped under multi-process data parallel: the "
-                   "sketches are reduced inside step(), after any clipping, so a local norm would "
-                   "clip each rank differently. The logged grad_norm is this rank's.")
+        _warn_once("dist", "gradient clipping is skipped: this optimizer has no communication "
+                   "strategy, so the local sketches may not be the averaged ones a norm must "
+                   "come from. Use rgc.DistributedRGCOptimizer / rgc.DistributedRowAdam, which "
+                   "clip inside step() by the global norm. The logged grad_norm is this rank's.")
         return total
     factor = float(max_norm) / (float(total) + 1e-6)
     if factor < 1.0:
         for tensor, _ in _pending(opt):
             tensor.mul_(factor)
     return total
+
+
+def _warn_normalised(opt: SketchOptimizer, max_norm: float) -> None:
+    _warn_once("rgc", f"gradient clipping (max_norm={max_norm}) has no effect with "
+               f"{type(opt).__name__}: its update is normalised (W <- W - lr ||W|| H / ||H||),"
+               " so the step size is set by lr alone and clipping is skipped. Set "
+               "max_grad_norm=0 to silence this warning; the logged grad_norm is ||H||.")
+

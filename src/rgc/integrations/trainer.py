@@ -39,13 +39,13 @@ rgc; the optimizer state and ``resume_from_checkpoint`` work as with any torch o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
 import rgc
 from rgc.integrations.norms import clip_grad_norm_
-from rgc.integrations.norms import grad_norm as sketch_grad_norm
 
 _CLASSES: dict[type, type] = {}
 
@@ -116,7 +116,8 @@ class RGCTrainerMixin:
         return clip_grad_norm_(self.optimizer, self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
-        return float(sketch_grad_norm(self.optimizer) if grad_norm is None else grad_norm)
+        # a tensor, as transformers' own: a distributed rgc optimizer fills it in step()
+        return clip_grad_norm_(self.optimizer, math.inf) if grad_norm is None else grad_norm
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         control = getattr(getattr(self.optimizer, "optimizer", self.optimizer), "step_control",

@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from rgc import ops
 from rgc.optim.comm import Local
-from rgc.optim.rules import Partials, Proposal
+from rgc.optim.rules import Partials, Proposal, sqrt32
 from rgc.projection import advance_projections
 from rgc.registry import sketched_owner_of
 from rgc.seeding import derive_seed
@@ -172,6 +172,8 @@ class SketchOptimizer(Optimizer):
     updates_sketched_weights = True
     #: the rule's partial sums include ``||W||^2`` (and a dense parameter's ``||grad||^2``)
     reads_norms = False
+    #: gradient clipping changes the rule's update (not so for a normalised rule)
+    clips_gradients = True
 
     def __init__(self, params, defaults: dict, *, step_control=None, keep_updates: bool = False,
                  comm=None):
@@ -197,6 +199,8 @@ class SketchOptimizer(Optimizer):
         self.driven_by_trainer = False
         # p -> p._version when state[p]['weight_sq_norm'] was last made from p's stored values
         self._norm_versions: dict[torch.Tensor, int] = {}
+        # (max_norm, output) of clip_at_step(), for the next step
+        self._clip_request: tuple[float, torch.Tensor] | None = None
         self.comm = Local() if comm is None else comm
         self.comm.attach(self)
 
@@ -292,6 +296,8 @@ class SketchOptimizer(Optimizer):
         measured = [(entries, self._stack_sums(entries)) for entries in stacks]
         measured += [([e], self._dense_sums(e)) for e in dense]
         self.comm.reduce(measured)
+        if self._clip_request is not None:
+            self._clip(measured)
         updates = self._propose(measured[:len(stacks)], measured[len(stacks):])
         alpha, any_active = 1.0, False
         if control is not None:
@@ -378,8 +384,60 @@ class SketchOptimizer(Optimizer):
         partials = Partials(torch.isfinite(p.grad).all().reshape(1, 1))
         if self.reads_norms:
             partials.sums["weight"] = sum_squares(p).reshape(1, 1)
+        if self.reads_norms or self._clip_request is not None:
             partials.sums["direction"] = sum_squares(p.grad).reshape(1, 1)
         return partials
+
+    # -- clipping by the global norm --------------------------------------------------------
+    def clip_at_step(self, max_norm: float) -> torch.Tensor:
+        """Clip the next ``step()``'s gradient estimates to ``max_norm`` by their global norm.
+
+        The norm is that of everything the step applies (``||C P^T||`` of every sketch, the
+        dense gradients), after the communication strategy has reduced them over the
+        processes, from the partial sums the step measures anyway (under FSDP2 they ride in its
+        one all-reduce): every rank clips by the same factor, ``max_norm / (norm + 1e-6)`` when
+        the norm exceeds ``max_norm`` and is finite. ``max_norm = inf`` only measures, as does
+        a rule whose update is normalised (``clips_gradients`` false). Returns a 0-dim FP32
+        tensor on the parameters' device that the step fills in place with the norm before
+        clipping (read it after ``step()``; nothing is read on the host).
+        :func:`rgc.integrations.clip_grad_norm_` uses this under a distributed strategy.
+        """
+        if max_norm is None or not (max_norm > 0):
+            raise ValueError(f"max_norm must be a number > 0 (inf: only measure), got "
+                             f"{max_norm!r}")
+        device = next((p.device for g in self.param_groups for p in g["params"]),
+                      torch.device("cpu"))
+        out = torch.zeros((), dtype=torch.float32, device=device)
+        self._clip_request = (float(max_norm), out)
+        return out
+
+    def _clip(self, measured: list) -> None:
+        """Fill the clip request's norm from the completed sums, in parameter order (the same
+        bits on every rank, whatever the grouping by local shape), and scale the sketches,
+        gradients and their sums by the clip factor (on the device)."""
+        max_norm, out = self._clip_request
+        self._clip_request = None
+        per_param = {}
+        for entries, partials in measured:
+            sums = partials["sketch"] if "sketch" in partials.sums else partials["direction"]
+            for e, total in zip(entries, ops.pairwise_sums(sums), strict=True):
+                per_param[e.index] = total
+        if not per_param:
+            return
+        norm = sqrt32(ops.pairwise_sums(torch.stack([per_param[i] for i in sorted(per_param)])))
+        out.copy_(norm)
+        if not self.clips_gradients or math.isinf(max_norm):
+            return
+        factor = torch.where(torch.isfinite(norm) & (norm > max_norm),
+                             max_norm / (norm + 1e-6), 1.0)
+        tensors = [e.owner.sketch_matrices() if e.owner is not None else e.param.grad
+                   for entries, _ in measured for e in entries]
+        torch._foreach_mul_(tensors, factor)
+        square = factor * factor
+        for _, partials in measured:
+            for name in ("sketch", "direction"):
+                if name in partials.sums:
+                    partials.sums[name].mul_(square)
 
     def _weight_sq_norms(self, entries: list[Entry]) -> torch.Tensor:
         """``||W_e||_F^2`` of every matrix of the entries, ``[M, E]`` FP32.

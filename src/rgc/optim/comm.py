@@ -65,6 +65,9 @@ class Local:
     * ``finish()``: after the step.
     """
 
+    #: whether ``exchange`` changes the sketches and gradients (so that their norm is known
+    #: only inside ``step()``; see :meth:`rgc.optim.SketchOptimizer.clip_at_step`)
+    exchanges = False
     #: bytes this process passed to collectives in the last step / the last export
     last_comm_bytes = 0
     last_export_bytes = 0

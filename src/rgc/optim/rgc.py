@@ -81,6 +81,7 @@ class RGCOptimizer(SketchOptimizer):
     """
 
     reads_norms = True
+    clips_gradients = False  # the update is normalised: scaling H changes nothing
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, *, chunk_rows: int | None = None,
                  stochastic_rounding: bool = True, seed: int = 0, step_control=None,
