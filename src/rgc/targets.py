@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from rgc.experts.module import expert_weight_names
+from rgc.experts.module import expert_weight_names, is_sketched_experts
 
 #: Default target names: the attention and MLP projections of Llama/Qwen/Mistral-style models
 #: and their common aliases (GPT-2/nanoGPT, GPT-NeoX, Falcon, original Llama/Mistral code).
@@ -170,7 +170,7 @@ def plan_targets(model: nn.Module, targets: Targets = None) -> TargetPlan:
         if weights is not None:
             picked = (list(weights) if targets is not None and selects(targets, name, module)
                       else [w for w in weights if selects(targets, f"{name}.{w}", module)])
-            if picked and interface_forward(module):
+            if picked and (is_sketched_experts(module) or interface_forward(module)):
                 experts.append((name, module, tuple(picked)))
             elif picked:
                 skipped.append((name, f"{type(module).__name__} overrides the forward of "
