@@ -48,6 +48,8 @@ OVERRIDES = {
                                                 mrope_section=[1, 1, 0])),
     "hy_v4_vl_text": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                mrope_section=[1, 1, 0])),
+    **{t: dict(swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8)
+       for t in ("inkling_text", "inkling2_text", "inkling2_loop_text")},
     "jamba": dict(attn_layer_period=2, attn_layer_offset=0, expert_layer_period=2,
                   expert_layer_offset=1, use_mamba_kernels=False, mamba_dt_rank=8),
     "kolibri1_1": dict(head_dim=16, mlp_only_layers=[0], index_layers=[1],
@@ -56,6 +58,7 @@ OVERRIDES = {
     "mistral4": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                           llama_4_scaling_beta=0.1,
                                           original_max_position_embeddings=64)),
+    "nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=8, n_groups=1),
     "qwen3_omni_moe_talker_text": dict(shared_expert_intermediate_size=16),
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8,
                            indexer_budget=4, indexer_compress_ratio=2),
