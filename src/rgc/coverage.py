@@ -6,7 +6,8 @@ Every parameter is counted once, under a *kind* and a *status*:
   3-D expert weight with an :class:`rgc.experts.ExpertWeight` owner), ``linear`` (another
   ``nn.Linear`` weight), ``experts`` (another 3-D parameter: experts rgc does not sketch),
   ``embedding`` (input embeddings and the output head), ``router`` (the routers of
-  mixture-of-experts blocks, as :func:`rgc.targets.routers` finds them), ``bias``, ``norm``, ``other``;
+  mixture-of-experts blocks, as :func:`rgc.targets.routers` finds them), ``bias``, ``norm``,
+  ``other``;
 * status: ``sketched`` (trained from sketches), ``dense`` (trainable, with an ordinary
   gradient: the optimizer's dense rule), ``frozen``.
 

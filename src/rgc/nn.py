@@ -18,6 +18,7 @@ from rgc.seeding import derive_seed
 from rgc.sketched import SketchedWeight, check_refresh
 from rgc.targets import DEFAULT_TARGETS, Targets, plan_targets, skipped_message
 
+
 def compressed_layer_of(param: torch.Tensor) -> CompressedLinear | None:
     """The :class:`CompressedLinear` whose weight is ``param``, or ``None``."""
     owner = sketched_owner_of(param)

@@ -57,8 +57,8 @@ import torch
 import torch.nn as nn
 
 from rgc.experts import expert_weight_names
-from rgc.targets import Targets, plan_targets
 from rgc.ops.reference import projection_chunk, sketch_stats_bytes
+from rgc.targets import Targets, plan_targets
 from rgc.updates import resolve_chunk_rows
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
