@@ -237,6 +237,51 @@ def test_coverage_warning_names_experts_it_cannot_sketch():
     assert "experts | frozen" in str(summary)
 
 
+def test_experts_overriding_the_interface_forward_stay_frozen_with_a_warning():
+    """An Experts subclass with its own forward (Ergo's per-route rows and norm) would be run
+    as a different model by rgc's sketched forward: it is left as it is, frozen."""
+    model = tiny_moe("qwen3_moe")
+    base = type(model.model.layers[0].mlp.experts)
+    own = type("RescaledExperts", (base,), {
+        "forward": lambda self, h, idx, w: 2 * base.forward(self, h, idx, w)})
+    for layer in model.model.layers:
+        layer.mlp.experts.__class__ = own
+    ids = ids_for(model)
+    with torch.no_grad():
+        reference = model(ids).logits
+    with pytest.warns(UserWarning, match=r"model\.layers\.\*\.mlp\.experts \(RescaledExperts "
+                                         "overrides the forward of transformers' experts "
+                                         "interface"):
+        rgc.wrap(model, rank=4)
+    experts = model.model.layers[0].mlp.experts
+    assert type(experts) is own and not hasattr(experts, "rgc_owners")
+    assert not experts.gate_up_proj.requires_grad and not experts.down_proj.requires_grad
+    assert all(isinstance(o, rgc.CompressedLinear) for _, o in rgc.sketched_weights(model))
+    torch.testing.assert_close(model(ids).logits, reference, rtol=0, atol=0)
+    assert rgc.wrap_summary(model).count(kind="experts", status="frozen") == sum(
+        getattr(layer.mlp.experts, w).numel() for layer in model.model.layers
+        for w in ("gate_up_proj", "down_proj"))
+
+
+def test_nested_routers_are_found():
+    """A router holding its scoring Linear one level down (AFMoE's router.gate, Ergo's
+    gate.linear, Gemma 4's router.proj): all its parameters are router parameters."""
+    model = nn.Module()
+    model.q_proj = nn.Linear(8, 8)
+    model.moe = nn.Module()
+    model.moe.experts = UnhandledExperts()
+    model.moe.scorer = nn.Module()
+    model.moe.scorer.proj = nn.Linear(8, 4)  # hidden -> one score per expert
+    model.moe.scorer.scale = nn.Parameter(torch.ones(8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        rgc.wrap(model, rank=2, train_routers=True)
+    assert [n for n, _ in rgc.router_parameters(model)] == [
+        "moe.scorer.scale", "moe.scorer.proj.weight", "moe.scorer.proj.bias"]
+    assert all(p.requires_grad for _, p in rgc.router_parameters(model))
+    assert rgc.wrap_summary(model).count(kind="router", status="dense") == 8 + 8 * 4 + 4
+
+
 def test_wrap_errors_leave_the_model_untouched():
     model = tiny_moe("qwen3_moe", torch.float16)
     before = {n: p.requires_grad for n, p in model.named_parameters()}

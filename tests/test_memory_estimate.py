@@ -603,3 +603,22 @@ def test_moe_activations_of_other_families_are_refused():
     assert estimate_memory(config, method="rgc", rank=4).total > 0
     with pytest.raises(ValueError, match="not for this one; leave batch/seq_len unset"):
         estimate_memory(config, method="rgc", rank=4, batch=1, seq_len=8)
+
+
+def test_a_predicate_gets_modules_as_in_wrap():
+    """targets= resolves as in rgc.wrap: a predicate gets (name, module), the module a meta
+    stand-in nn.Linear of the layer's shape for a config read from its numbers."""
+    cfg = CONFIGS / "qwen3-1.7b.json"
+    seen = []
+
+    def q_and_wide(name, module):
+        seen.append(module)
+        return name.endswith("q_proj") or (isinstance(module, torch.nn.Linear)
+                                           and module.out_features == 6144)
+
+    by_predicate = estimate_memory(cfg, method="rgc", rank=8, targets=q_and_wide)
+    by_name = estimate_memory(cfg, method="rgc", rank=8, targets=["q_proj", "gate_proj",
+                                                                  "up_proj"])
+    assert by_predicate == by_name
+    assert seen and all(isinstance(m, torch.nn.Module) for m in seen)
+    assert {m.weight.device.type for m in seen if isinstance(m, torch.nn.Linear)} == {"meta"}

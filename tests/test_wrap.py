@@ -81,6 +81,10 @@ def test_errors_leave_the_model_untouched():
         rgc.wrap(model, rank=100)
     with pytest.raises(ValueError, match="rank must be"):
         rgc.wrap(model, rank=0)
+    with pytest.raises(ValueError, match=r"rank must be an integer >= 1 \(not a bool\)"):
+        rgc.wrap(model, rank=True)
+    with pytest.raises(TypeError, match="targets must be"):
+        rgc.wrap(model, rank=2, targets="q_proj")
     with pytest.raises(ValueError, match="refresh"):
         rgc.wrap(model, rank=2, refresh=0)
     half = TinyBlockLM().to(torch.float16)
@@ -100,6 +104,29 @@ def test_conv1d_target_error_explains():
     model.c_attn = Conv1D(12, 4)
     with pytest.raises(TypeError, match="Conv1D"):
         rgc.wrap(model, rank=2)
+
+
+class CustomProjection(nn.Module):
+    """A projection that is not an nn.Linear (a parameter of its own, its own forward)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def test_a_target_rgc_cannot_sketch_is_skipped_with_a_warning():
+    model = TinyBlockLM()
+    for block in model.blocks:
+        block.q_proj = CustomProjection(24)
+    with pytest.warns(UserWarning, match=r"skips targets it cannot sketch.*blocks\.\*\.q_proj "
+                                         r"\(a CustomProjection, not an nn.Linear\)"):
+        rgc.wrap(model, rank=2)
+    names = {n.rsplit(".", 1)[-1] for n, _ in rgc.compressed_layers(model)}
+    assert names == PROJ_NAMES - {"q_proj"}
+    assert not model.blocks[0].q_proj.scale.requires_grad
 
 
 def test_deepcopy_of_wrapped_model_trains_its_own_weights():

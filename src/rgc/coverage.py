@@ -6,7 +6,8 @@ Every parameter is counted once, under a *kind* and a *status*:
   3-D expert weight with an :class:`rgc.experts.ExpertWeight` owner), ``linear`` (another
   ``nn.Linear`` weight), ``experts`` (another 3-D parameter: experts rgc does not sketch),
   ``embedding`` (input embeddings and the output head), ``router`` (the routers of
-  mixture-of-experts blocks), ``bias``, ``norm``, ``other``;
+  mixture-of-experts blocks, as :func:`rgc.targets.routers` finds them), ``bias``, ``norm``,
+  ``other``;
 * status: ``sketched`` (trained from sketches), ``dense`` (trainable, with an ordinary
   gradient: the optimizer's dense rule), ``frozen``.
 
@@ -25,8 +26,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from rgc.experts import holds_experts, router_modules
 from rgc.registry import sketched_owner_of
+from rgc.targets import holds_experts, routers
 
 #: Share of a model's parameters left frozen in uncovered matrices above which wrap() warns.
 COVERAGE_WARN_SHARE = 0.01
@@ -103,13 +104,13 @@ def _embeddings(model: nn.Module) -> set[int]:
     return ids
 
 
-def _kind(name: str, p, owner, module: nn.Module, routers: set[int], embeddings: set[int]
-          ) -> str:
+def _kind(name: str, p, owner, module: nn.Module, router_params: set[int],
+          embeddings: set[int]) -> str:
     if owner is not None:
         return "sketched experts" if p.dim() == 3 else "sketched linear"
     if id(p) in embeddings:
         return "embedding"
-    if id(module) in routers:
+    if id(p) in router_params:
         return "router"
     if p.dim() == 3 and holds_experts(module):
         return "experts"
@@ -128,7 +129,8 @@ def wrap_summary(model: nn.Module) -> WrapSummary:
     ``print(rgc.wrap_summary(model))`` gives a table; ``.count(kind=..., status=...)``,
     ``.trained``, ``.frozen`` and ``.gap()`` the figures.
     """
-    routers, embeddings = router_modules(model), _embeddings(model)
+    router_params = {id(p) for _, router in routers(model) for p in router.parameters()}
+    embeddings = _embeddings(model)
     groups: dict[tuple[str, str], list] = {}
     seen: set[int] = set()
     for mname, module in model.named_modules():
@@ -138,7 +140,7 @@ def wrap_summary(model: nn.Module) -> WrapSummary:
             seen.add(id(p))
             name = f"{mname}.{pname}" if mname else pname
             owner = sketched_owner_of(p)
-            kind = _kind(name, p, owner, module, routers, embeddings)
+            kind = _kind(name, p, owner, module, router_params, embeddings)
             status = ("sketched" if owner is not None and p.requires_grad
                       else "dense" if p.requires_grad else "frozen")
             groups.setdefault((kind, status, p.dim() >= 2), []).append((name, p.numel()))
@@ -168,8 +170,8 @@ def warn_coverage_gap(model: nn.Module, summary: WrapSummary | None = None) -> N
                     "layers too")
     if any(r.kind == "experts" for r in gap):
         hint.append("the 3-D expert weights listed belong to experts modules without "
-                    "transformers' experts interface (use_experts_implementation), which rgc "
-                    "does not sketch")
+                    "transformers' experts interface (use_experts_implementation), or whose "
+                    "class overrides its forward, which rgc does not sketch")
     if any(r.kind == "other" for r in gap):
         hint.append("the 'other' matrices are not nn.Linear layers and stay frozen")
     warnings.warn(

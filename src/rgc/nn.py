@@ -2,36 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import warnings
 
 import torch
 import torch.nn as nn
 
 from rgc.autograd import SketchedLinearFunction, linear_in
 from rgc.coverage import warn_coverage_gap
-from rgc.experts import (
-    expert_weight_names,
-    is_sketched_experts,
-    router_modules,
-    sketch_experts,
-    unsketch_experts,
-)
+from rgc.experts import is_sketched_experts, sketch_experts, unsketch_experts
 from rgc.experts.module import check_experts
 from rgc.guards import check_wrap_targets, install_step_guard, register_wrapped
 from rgc.projection import check_rank
-from rgc.registry import SUPPORTED_WEIGHT_DTYPES, register_owner, sketched_owner_of
+from rgc.registry import SUPPORTED_WEIGHT_DTYPES, SketchedModule, sketched_owner_of
 from rgc.seeding import derive_seed
 from rgc.sketched import SketchedWeight, check_refresh
-
-#: Default target names: the attention and MLP projections of Llama/Qwen/Mistral-style models
-#: and their common aliases (GPT-2/nanoGPT, GPT-NeoX, Falcon, original Llama/Mistral code).
-DEFAULT_TARGETS = frozenset({
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-    "qkv_proj", "gate_up_proj", "out_proj",
-    "c_attn", "c_proj", "c_fc",
-    "query_key_value", "dense_h_to_4h", "dense_4h_to_h",
-    "wq", "wk", "wv", "wo", "w1", "w2", "w3",
-})
+from rgc.targets import DEFAULT_TARGETS, Targets, plan_targets, skipped_message
 
 
 def compressed_layer_of(param: torch.Tensor) -> CompressedLinear | None:
@@ -40,7 +25,7 @@ def compressed_layer_of(param: torch.Tensor) -> CompressedLinear | None:
     return owner if isinstance(owner, CompressedLinear) else None
 
 
-class CompressedLinear(SketchedWeight, nn.Linear):
+class CompressedLinear(SketchedModule, SketchedWeight, nn.Linear):
     """Drop-in ``nn.Linear`` whose weight is trained from a rank-``r`` gradient sketch.
 
     Same ``weight`` (d x k) and ``bias`` parameters and state_dict keys as ``nn.Linear``.
@@ -104,13 +89,8 @@ class CompressedLinear(SketchedWeight, nn.Linear):
                                                 self._sketch_slot, self.compute_dtype)
         return linear_in(x, self.weight, self.bias, self.compute_dtype)
 
-    def __setattr__(self, name, value):
-        super().__setattr__(name, value)
-        # Wrappers that swap the Parameter object itself (FSDP2's fully_shard installs a sharded
-        # DTensor and swaps the gathered weight in and out around forward) must keep
-        # compressed_layer_of(param) working for whatever Parameter the optimizer was given.
-        if name == "weight" and isinstance(value, torch.Tensor):
-            register_owner(value, self)
+    def owners_by_attribute(self) -> dict:
+        return {"weight": self}
 
     def __getstate__(self):
         state = super().__getstate__()
@@ -123,36 +103,9 @@ class CompressedLinear(SketchedWeight, nn.Linear):
         self._register()
         self._new_sketch_slot()
 
-    def _apply(self, fn, recurse=True):
-        dtype = self.weight.dtype
-        super()._apply(fn, recurse)
-        # .to()/.cuda() may install new Parameter objects (overwrite-on-conversion mode) and
-        # move the weight: keep the owner registry and the sketch slot's device in step.
-        self._register()
-        slot = getattr(self, "_sketch_slot", None)
-        if slot is not None and slot.device != self.weight.device:
-            self._new_sketch_slot()
-        # P is a function of (seed, version, weight dtype). A cast such as model.to(float32)
-        # would leave the old dtype's rounding in P, which a resumed run (regenerating P in the
-        # new dtype) would not have: regenerate it so both use the same bits.
-        if self.weight.dtype != dtype and self.projection.device.type != "meta":
-            self.set_projection_version(self.projection_version)
-        return self
-
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, rank={self.rank}, projection={self.projection_kind!r}, "
                 f"refresh={self.refresh!r}")
-
-
-Targets = Iterable[str] | Callable[[str, nn.Module], bool] | None
-
-
-def _matches(targets, name: str, module: nn.Module) -> bool:
-    if targets is None:
-        return name.rsplit(".", 1)[-1] in DEFAULT_TARGETS
-    if callable(targets):
-        return bool(targets(name, module))
-    return name in targets or name.rsplit(".", 1)[-1] in targets
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -183,31 +136,10 @@ def sketched_weights(model: nn.Module) -> list[tuple[str, SketchedWeight]]:
     return out
 
 
-def _chosen_experts(model: nn.Module, targets) -> list[tuple[str, nn.Module, list[str]]]:
-    """``(module name, experts module, [weight names])`` of the expert weights ``targets`` picks.
-
-    An expert weight is matched like a module, by its qualified name
-    (``model.layers.0.mlp.experts.gate_up_proj``) or its last component (``gate_up_proj``,
-    ``down_proj``: both in :data:`DEFAULT_TARGETS`); a predicate gets ``(name, experts module)``.
-    An explicit target naming the experts module itself picks all its expert weights.
-    """
-    chosen = []
-    for name, module in model.named_modules():
-        weights = expert_weight_names(module)
-        if weights is None:
-            continue
-        picked = (list(weights) if _matches(targets, name, module) and targets is not None
-                  else [w for w in weights if _matches(targets, f"{name}.{w}", module)])
-        if picked:
-            chosen.append((name, module, picked))
-    return chosen
-
-
 def router_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """``(name, parameter)`` of the routers of the model's mixture-of-experts blocks."""
-    routers = router_modules(model)
-    return [(f"{n}.{pn}", p) for n, m in model.named_modules() if id(m) in routers
-            for pn, p in m.named_parameters(recurse=False)]
+    """``(name, parameter)`` of the routers of the model's mixture-of-experts blocks (all
+    parameters of each router module, nested ones included; see :func:`rgc.targets.routers`)."""
+    return list(plan_targets(model).routers)
 
 
 #: ``wrap(..., preset=name)``: the projection kind and refresh schedule of each method.
@@ -230,11 +162,14 @@ def wrap(model: nn.Module, rank: int, *, targets: Targets = None,
 
     Args:
         model: any ``nn.Module``; it is modified in place and returned.
-        rank: sketch rank ``r`` for every target.
+        rank: sketch rank ``r`` for every target (an ``int`` >= 1; not a bool).
         targets: ``None`` for :data:`DEFAULT_TARGETS` (matched on the last name component),
             a list of names (last component or fully qualified), or a predicate
             ``(qualified_name, module) -> bool``. Expert weights are matched by their
             parameter names (``...experts.gate_up_proj``; a predicate gets the experts module).
+            :func:`rgc.targets.plan_targets` resolves them: a selected module rgc cannot
+            sketch (not an ``nn.Linear``; an Experts class overriding the forward of
+            transformers' experts interface) is skipped with a ``UserWarning`` naming it.
         projection: 'orthonormal', 'rademacher' or 'gaussian'; default from ``preset``.
         refresh: 'every_step' (new P after every update), 'never', or N (every N updates);
             default from ``preset``.
@@ -263,34 +198,34 @@ def wrap(model: nn.Module, rank: int, *, targets: Targets = None,
     projection = PRESETS[preset]["projection"] if projection is None else projection
     refresh = PRESETS[preset]["refresh"] if refresh is None else refresh
     check_refresh(refresh)
-    linear_names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                           if isinstance(m, nn.Linear)})
-    chosen = [(n, m) for n, m in model.named_modules()
-              if n and expert_weight_names(m) is None and _matches(targets, n, m)]
-    experts = _chosen_experts(model, targets)
-    if not chosen and not experts:
+    plan = plan_targets(model, targets)
+    if not plan:
         shown = DEFAULT_TARGETS if targets is None else targets
         if not callable(shown):
             shown = sorted(shown)
+        if plan.skipped:
+            raise TypeError(f"targets {shown!r} matched only modules rgc cannot sketch: "
+                            f"{skipped_message(plan.skipped)}; pass targets= naming nn.Linear "
+                            "layers or transformers Experts modules")
+        linear_names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                               if isinstance(m, nn.Linear)})
         raise ValueError(f"targets {shown!r} matched no module; the model's nn.Linear layers "
                          f"are named {linear_names}")
-    routers = router_parameters(model)
+    chosen, experts, routers = plan.linears, plan.experts, plan.routers
     if train_routers and not routers:
         raise ValueError("train_routers=True, but the model has no mixture-of-experts router")
-    check_wrap_targets(model, chosen + [(n, m) for n, m, _ in experts])
+    check_wrap_targets(model, [*chosen, *((n, m) for n, m, _ in experts)])
     for name, module in chosen:
-        if not isinstance(module, nn.Linear):
-            hint = (" (transformers' GPT-2 Conv1D stores W transposed and is not supported; "
-                    "pass targets= to select nn.Linear layers only)"
-                    if type(module).__name__ == "Conv1D" else "")
-            raise TypeError(f"target {name!r} is a {type(module).__name__}, not an nn.Linear"
-                            f"{hint}")
         if module.weight.dtype not in SUPPORTED_WEIGHT_DTYPES:
             raise TypeError(f"target {name!r} has weight dtype {module.weight.dtype}; supported: "
                             f"{SUPPORTED_WEIGHT_DTYPES}. Convert the model first.")
         check_rank(projection, module.in_features, rank)
     for name, module, weights in experts:
         check_experts(name, module, weights, rank, projection)
+    if plan.skipped:
+        warnings.warn(f"rgc.wrap skips targets it cannot sketch (left as they are, frozen unless "
+                      f"freeze_others=False): {skipped_message(plan.skipped)}", UserWarning,
+                      stacklevel=2)
 
     biases = [m.bias for _, m in chosen if m.bias is not None]
     biases += [getattr(m, f"{w}_bias") for _, m, ws in experts if m.has_bias for w in ws]

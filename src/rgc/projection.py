@@ -46,8 +46,8 @@ def check_rank(kind: str, in_features: int, rank: int) -> None:
     """Raise ``ValueError`` for an unknown kind or a rank the kind cannot provide."""
     if kind not in PROJECTION_KINDS:
         raise ValueError(f"unknown projection kind {kind!r}; choose one of {PROJECTION_KINDS}")
-    if not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be an integer >= 1 (not a bool), got {rank!r}")
     if kind == "orthonormal" and rank > in_features:
         raise ValueError(
             f"an orthonormal projection needs rank <= in_features, got rank={rank} > "

@@ -8,9 +8,7 @@ from rgc.experts.module import (
     ExpertWeight,
     SketchedExperts,
     expert_weight_names,
-    holds_experts,
     is_sketched_experts,
-    router_modules,
     sketch_experts,
     unsketch_experts,
 )
@@ -19,9 +17,7 @@ __all__ = [
     "ExpertWeight",
     "SketchedExperts",
     "expert_weight_names",
-    "holds_experts",
     "is_sketched_experts",
-    "router_modules",
     "sketch_experts",
     "unsketch_experts",
 ]

@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from rgc.experts.autograd import SketchedExpertsFunction
 from rgc.projection import check_rank
-from rgc.registry import SUPPORTED_WEIGHT_DTYPES, register_owner, unregister_owner
+from rgc.registry import SUPPORTED_WEIGHT_DTYPES, SketchedModule, unregister_owner
 from rgc.sketched import SketchedWeight
 
 _FLAGS = ("has_gate", "has_bias", "is_transposed", "num_experts")
@@ -57,34 +57,6 @@ def expert_weight_names(module: nn.Module) -> tuple[str, str] | None:
         if p is None or p.dim() != 3:
             return None
     return names
-
-
-#: Names of the router modules of transformers' mixture-of-experts blocks (the block holds them
-#: next to its experts module); a child whose class name ends in ``Router`` is one too.
-ROUTER_NAMES = frozenset({"gate", "router", "shared_expert_gate"})
-
-
-def holds_experts(module: nn.Module) -> bool:
-    """True for a module holding 3-D expert weights: a transformers Experts module, or any
-    non-convolution module with a 3-D Parameter of its own (experts rgc may not sketch)."""
-    if expert_weight_names(module) is not None:
-        return True
-    return not isinstance(module, nn.modules.conv._ConvNd) and any(
-        p.dim() == 3 for p in module.parameters(recurse=False))
-
-
-def router_modules(model: nn.Module) -> set[int]:
-    """``id``s of the router modules: the children named in :data:`ROUTER_NAMES`, or of a
-    class ending in ``Router``, of a module that also holds an experts module."""
-    ids = set()
-    for module in model.modules():
-        children = dict(module.named_children())
-        if not any(holds_experts(c) for c in children.values()):
-            continue
-        for name, child in children.items():
-            if name in ROUTER_NAMES or type(child).__name__.endswith("Router"):
-                ids.add(id(child))
-    return ids
 
 
 def is_sketched_experts(module: nn.Module) -> bool:
@@ -190,7 +162,7 @@ def _rebuild(base: type) -> nn.Module:
     return cls.__new__(cls)
 
 
-class SketchedExperts(nn.Module):
+class SketchedExperts(SketchedModule):
     """Mixed into the class of a transformers Experts module by :func:`sketch_experts`.
 
     Attributes added to the module: ``rgc_owners`` (``{weight name: ExpertWeight}``) and one
@@ -210,26 +182,8 @@ class SketchedExperts(nn.Module):
         _, _, top_k_index, top_k_weights = bound.args[:4]
         return sketched_experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
-    def __setattr__(self, name, value):
-        super().__setattr__(name, value)
-        # wrappers that install a new Parameter object (FSDP2's fully_shard) keep
-        # sketched_owner_of(param) working for the Parameter the optimizer is given
-        owner = self.__dict__.get("rgc_owners", {}).get(name)
-        if owner is not None and isinstance(value, torch.Tensor):
-            register_owner(value, owner)
-
-    def _apply(self, fn, recurse=True):
-        dtypes = {name: o.weight.dtype for name, o in self.rgc_owners.items()}
-        super()._apply(fn, recurse)
-        for name, owner in self.rgc_owners.items():
-            owner._register()
-            if owner._sketch_slot.device != owner.weight.device:
-                owner._new_sketch_slot()
-            # P is a function of (seed, version, dtype): regenerate it after a cast, as
-            # CompressedLinear does, so a resumed run uses the same bits
-            if owner.weight.dtype != dtypes[name] and owner.projection.device.type != "meta":
-                owner.set_projection_version(owner.projection_version)
-        return self
+    def owners_by_attribute(self) -> dict:
+        return self.__dict__.get("rgc_owners", {})
 
     def __reduce_ex__(self, protocol):
         return _rebuild, (self._rgc_base,), self.__getstate__()

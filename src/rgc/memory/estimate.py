@@ -49,7 +49,7 @@ import functools
 import json
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -57,8 +57,8 @@ import torch
 import torch.nn as nn
 
 from rgc.experts import expert_weight_names
-from rgc.nn import DEFAULT_TARGETS
 from rgc.ops.reference import projection_chunk, sketch_stats_bytes
+from rgc.targets import Targets, plan_targets
 from rgc.updates import resolve_chunk_rows
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
@@ -86,13 +86,15 @@ UPDATE_SCALAR_BYTES = 1024
 class LinearShape:
     """One linear layer: qualified ``name``, weight ``d x k`` (out x in), ``bias``; or, with
     ``experts = E > 1``, a stack of E expert matrices of d x k (a 3-D expert weight, named
-    like its Parameter: ``...experts.gate_up_proj``), ``bias`` meaning an ``[E, d]`` bias."""
+    like its Parameter: ``...experts.gate_up_proj``), ``bias`` meaning an ``[E, d]`` bias.
+    ``conv1d``: transformers' GPT-2 ``Conv1D`` (W stored k x d), which rgc does not sketch."""
 
     name: str
     d: int
     k: int
     bias: bool = False
     experts: int = 1
+    conv1d: bool = False
 
     @property
     def numel(self) -> int:
@@ -259,7 +261,7 @@ def _gpt2_spec(cfg: dict, itemsize: int) -> ModelSpec:
     inner = cfg.get("n_inner") or 4 * h
     per_layer = [("attn.c_attn", 3 * h, h), ("attn.c_proj", h, h), ("mlp.c_fc", inner, h),
                  ("mlp.c_proj", h, inner)]
-    linears = [LinearShape(f"transformer.h.{n}.{name}", d, k, True)
+    linears = [LinearShape(f"transformer.h.{n}.{name}", d, k, True, conv1d=True)
                for n in range(n_layers) for name, d, k in per_layer]
     numels = [vocab * h, cfg.get("n_positions", 1024) * h,
               *(v for s in linears for v in (s.d * s.k, s.d)), *([h] * (4 * n_layers + 2))]
@@ -291,8 +293,14 @@ def spec_from_config(config, *, dtype: torch.dtype = torch.bfloat16) -> ModelSpe
 
 @functools.lru_cache(maxsize=16)
 def _meta_spec(config_json: str, dtype: torch.dtype) -> ModelSpec:
-    """Build the model of a config (its JSON text) on the meta device and describe it (cached:
-    the CLI asks for one spec per method and rank)."""
+    """:class:`ModelSpec` of :func:`_meta_model` (cached: the CLI asks for one spec per method
+    and rank)."""
+    return spec_from_module(_meta_model(config_json, dtype))
+
+
+@functools.lru_cache(maxsize=16)
+def _meta_model(config_json: str, dtype: torch.dtype) -> nn.Module:
+    """The model of a config (its JSON text) built on the meta device (no memory)."""
     cfg = json.loads(config_json)
     try:
         import transformers
@@ -303,8 +311,7 @@ def _meta_spec(config_json: str, dtype: torch.dtype) -> ModelSpec:
     numbers = {k: v for k, v in cfg.items() if k not in ("model_type", "torch_dtype", "dtype")}
     config = transformers.AutoConfig.for_model(cfg["model_type"], **numbers)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return spec_from_module(model)
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def spec_from_module(model: nn.Module) -> ModelSpec:
@@ -334,7 +341,8 @@ def spec_from_module(model: nn.Module) -> ModelSpec:
             itemsize = m.weight.element_size()
         elif type(m).__name__ == "Conv1D" and getattr(m, "weight", None) is not None:
             k, d = m.weight.shape
-            linears.append(LinearShape(name, d, k, getattr(m, "bias", None) is not None))
+            linears.append(LinearShape(name, d, k, getattr(m, "bias", None) is not None,
+                                       conv1d=True))
         elif (weights := expert_weight_names(m)) is not None:
             for w in weights:
                 experts, rows, cols = getattr(m, w).shape
@@ -386,12 +394,38 @@ def _layer_numels(model: nn.Module) -> tuple[int, ...]:
 
 # -- estimate -----------------------------------------------------------------------------
 
-def _is_target(targets, name: str) -> bool:
-    if targets is None:
-        return name.rsplit(".", 1)[-1] in DEFAULT_TARGETS
-    if callable(targets):
-        return bool(targets(name, None))
-    return name in targets or name.rsplit(".", 1)[-1] in targets
+def _stand_in(spec: ModelSpec) -> nn.Module:
+    """A module tree for a spec read from a config's numbers: a ``meta``-device ``nn.Linear``
+    of each layer's shape at its qualified name (nothing for GPT-2's ``Conv1D`` layers, which
+    rgc does not sketch), so that targets resolve as on the built model."""
+    root = nn.Module()
+    for s in spec.linears:
+        if s.conv1d:
+            continue
+        parent = root
+        *path, leaf = s.name.split(".")
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, nn.Module())
+            parent = getattr(parent, part)
+        parent.add_module(leaf, nn.Linear(s.k, s.d, bias=s.bias, device="meta"))
+    return root
+
+
+def _chosen(model_or_config, spec: ModelSpec, targets, dtype: torch.dtype
+            ) -> list[LinearShape]:
+    """The :class:`LinearShape` of every weight ``targets`` picks, as :func:`rgc.wrap` would
+    (:func:`rgc.targets.plan_targets` on the module, the meta-built model of a
+    mixture-of-experts config, or the :func:`_stand_in` of another config)."""
+    if isinstance(model_or_config, nn.Module):
+        model = model_or_config
+    else:
+        cfg = (model_or_config if isinstance(model_or_config, dict)
+               else _read_config(model_or_config))
+        model = (_meta_model(json.dumps(cfg, sort_keys=True), dtype)
+                 if cfg.get("model_type") in MOE_FAMILIES else _stand_in(spec))
+    names = plan_targets(model, targets).weight_names()
+    return [s for s in spec.linears if s.name in names]
 
 
 def _activations(arch: Architecture, mode: str, rank: int, n: int, seq_len: int,
@@ -830,7 +864,7 @@ def _fsdp_gathered(spec: ModelSpec) -> int:
 
 
 def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
-                    targets: Iterable[str] | Callable | None = None, batch: int | None = None,
+                    targets: Targets = None, batch: int | None = None,
                     seq_len: int | None = None, dtype: torch.dtype = torch.bfloat16,
                     chunk_rows: int | None = None, implementation: str = "torch",
                     compute_dtype: torch.dtype | None = None,
@@ -848,8 +882,14 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
             (torchao ``_AdamW(bf16_stochastic_round=True)``), 'adamw8bit' and 'adamw4bit'
             (torchao), 'bnb-adamw8bit' (bitsandbytes).
         rank: r for the methods in :data:`RANKED` (APOLLO-Mini's is 1).
-        targets: the layers compressed or adapted, as in :func:`rgc.wrap` (``None``: its
-            ``DEFAULT_TARGETS``, i.e. q/k/v/o/gate/up/down for Llama-style models).
+        targets: the layers compressed or adapted, as :func:`rgc.wrap` picks them
+            (``None``: its ``DEFAULT_TARGETS``, i.e. q/k/v/o/gate/up/down for Llama-style
+            models): :func:`rgc.targets.plan_targets` on the module, or, for a config, on the
+            model built on the ``meta`` device (mixture-of-experts families) or on stand-ins
+            (a ``meta``-device ``nn.Linear`` of each layer's shape, at its qualified name) for
+            the families read from their numbers. A predicate gets ``(name, module)`` as in
+            ``rgc.wrap``. GPT-2's ``Conv1D`` layers are never targets (rgc does not sketch
+            them).
         batch, seq_len: give both to include saved activations (Llama-style models,
             Qwen3-MoE and Mixtral).
         dtype: the weights' dtype when reading a config (a module's own dtypes are used).
@@ -925,7 +965,7 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
     else:
         raise TypeError("model_or_config must be an nn.Module, a config dict or the path of a "
                         f"config.json, got {type(model_or_config).__name__}")
-    chosen = [s for s in spec.linears if _is_target(targets, s.name)]
+    chosen = _chosen(model_or_config, spec, targets, dtype)
     if targeted and not chosen:
         raise ValueError(f"targets {targets!r} matched no linear layer of the model")
     plan = plan_of(spec, chosen, rank, method=method, chunk_rows=chunk_rows,
