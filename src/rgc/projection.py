@@ -38,9 +38,6 @@ from rgc import ops
 
 PROJECTION_KINDS = ("orthonormal", "rademacher", "gaussian")
 
-# k >= _ONE_PASS_RATIO * r: one CholeskyQR pass; below: float64 shifted CholeskyQR3.
-_ONE_PASS_RATIO = 4
-
 
 def check_rank(kind: str, in_features: int, rank: int) -> None:
     """Raise ``ValueError`` for an unknown kind or a rank the kind cannot provide."""

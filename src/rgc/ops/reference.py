@@ -486,6 +486,12 @@ def _gaussians(k: int, r: int, seeds: list[int], device: torch.device) -> torch.
     return g
 
 
+def one_pass(k: int, r: int) -> bool:
+    """Whether a k x r ``G`` is orthonormalised by one CholeskyQR pass (``k >= 4 r``), rather
+    than by shifted CholeskyQR3 in float64 (``G`` can be ill conditioned below)."""
+    return k >= 4 * r
+
+
 def orthonormalize(g: torch.Tensor, scale: float, gram_fp64: bool) -> torch.Tensor:
     """``scale * Q`` for the thin QR ``g = Q R`` (``R`` with a positive diagonal), per matrix.
 
@@ -496,13 +502,13 @@ def orthonormalize(g: torch.Tensor, scale: float, gram_fp64: bool) -> torch.Tens
     """
     k, r = g.shape[1:]
     return torch.stack([_orthonormalize_one(x, scale, gram_fp64) for x in g]) if len(g) else (
-        torch.empty(g.shape, dtype=torch.float32 if k >= 4 * r else torch.float64,
+        torch.empty(g.shape, dtype=torch.float32 if one_pass(k, r) else torch.float64,
                     device=g.device))
 
 
 def _orthonormalize_one(g: torch.Tensor, scale: float, gram_fp64: bool) -> torch.Tensor:
     k, r = g.shape
-    if k >= 4 * r:
+    if one_pass(k, r):
         gw = g.double() if gram_fp64 else g
         inverse = _scaled_inverse_cholesky(gw.t() @ gw, scale)
         return g @ inverse.to(g.dtype)
@@ -581,7 +587,7 @@ def _orthonormal_into(outs: list[torch.Tensor], g: torch.Tensor, scale: float,
     matrix. Temporaries: the ``[M, r, r]`` Grams and inverses, and one k x r product (FP32)
     or float64 copy of one ``g[m]`` at a time."""
     count, k, r = g.shape
-    if k < 4 * r:
+    if not one_pass(k, r):
         for out, x in zip(outs, g, strict=True):
             out.copy_(_orthonormalize_one(x, scale, gram_fp64))
         return

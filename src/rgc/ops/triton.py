@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from rgc.ops import reference
-from rgc.ops.reference import BM, GAUSSIAN_LABEL, SQRT2_BITS
+from rgc.ops.reference import BM, GAUSSIAN_LABEL, SQRT2_BITS, one_pass
 from rgc.rounding import MIX32_MUL1, MIX32_MUL2, seed_words
 
 try:
@@ -1076,7 +1076,7 @@ def update_launches(weights: list[torch.Tensor], factors: list[torch.Tensor],
     """Every launch of :func:`lowrank_update_` as ``(kernel, grid, args, kwargs)``, checked:
     per group of stacks with equal layouts, the update kernel, then (with ``sq_norms``) the
     ordered sum of its partials. ``config`` overrides tile entries (benchmarks). Used both to
-    run the update and to compile it ahead of time (:mod:`rgc.ops.aot`)."""
+    run the update and to compile it ahead of time (``tools/aot.py`` in a checkout)."""
     device = _check_stacks(weights, factors, projections)
     if device is None:
         return []
@@ -1307,7 +1307,7 @@ def orthonormalize(g: torch.Tensor, scale: float, gram_fp64: bool) -> torch.Tens
         raise ValueError(f"g must be a 3-D [M, k, r] FP32 tensor, got {g.dim()}-D {g.dtype}")
     _check_device(g)
     m, k, r = g.shape
-    out = torch.empty(m, k, r, dtype=torch.float32 if k >= 4 * r else torch.float64,
+    out = torch.empty(m, k, r, dtype=torch.float32 if one_pass(k, r) else torch.float64,
                       device=g.device)
     if m and k and r:
         _launch(orthonormal_launches(g, list(out.unbind(0)), scale, gram_fp64))
@@ -1331,12 +1331,12 @@ def orthonormal_launches(g: torch.Tensor, outs: list[torch.Tensor], scale: float
     of X, plus ``16 k r`` for ``k < 4 r``)."""
     m, k, r = g.shape
     device = g.device
-    gram = torch.empty(m, r, r, dtype=torch.float32 if (k >= 4 * r and not gram_fp64)
+    single = one_pass(k, r)
+    gram = torch.empty(m, r, r, dtype=torch.float32 if (single and not gram_fp64)
                        else torch.float64, device=device)
     work = torch.empty(m, 2, r, r, dtype=torch.float64, device=device)
-    one_pass = k >= 4 * r
-    x = torch.empty(m, r, r, dtype=torch.float32 if one_pass else torch.float64, device=device)
-    if one_pass:
+    x = torch.empty(m, r, r, dtype=torch.float32 if single else torch.float64, device=device)
+    if single:
         return [*gram_launches(list(g.unbind(0)), gram, gram_fp64, refresh=True),
                 _cholesky_inverse_launch(gram, work, x, scale), _product_launch(g, x, outs)]
     buffers = torch.empty(2, m, k, r, dtype=torch.float64, device=device)
@@ -1387,7 +1387,7 @@ PROJECTION_KINDS = ("orthonormal", "gaussian", "rademacher")
 def projection_bytes(k: int, r: int) -> int:
     """Bytes of the buffers of one orthonormal projection in :func:`make_projections_`."""
     g = 8 * k * ((r + 1) // 2)
-    return g + (28 * r * r if k >= 4 * r else 32 * r * r + 16 * k * r)
+    return g + (28 * r * r if one_pass(k, r) else 32 * r * r + 16 * k * r)
 
 
 def make_projections_(outs: list[torch.Tensor], kind: str, seeds: list[int]) -> None:
