@@ -538,6 +538,28 @@ def projection_chunk(k: int, r: int) -> int:
     return max(1, PROJECTION_CHUNK_BYTES // max(1, 8 * k * ((r + 1) // 2)))
 
 
+def make_projections_bytes(k: int, r: int, gram_fp64: bool, count: int = 1) -> int:
+    """Peak temporary bytes of :func:`make_projections_` refreshing ``count`` orthonormal
+    k x r projections of one shape (``gram_fp64``: the output is not BF16).
+
+    A chunk of c = :func:`projection_chunk` of them: c G at once (``8 k ceil(r/2)`` each),
+    written by the compiled loop through two buffers of pairs as large; then, beside the c G,
+    float64 CholeskyQR3 matrix by matrix (``k < 4 r``: ``16 k r + 16 r^2``); or the c Grams
+    (FP32, or float64 with a float64 copy of one G), four c r^2 factors while they are
+    inverted, and the FP32 inverses with one FP32 product ``G R^-1`` at a time (none for an
+    FP32 output, written in place)."""
+    g = 8 * k * ((r + 1) // 2)
+    c = min(max(1, count), projection_chunk(k, r))
+    if not one_pass(k, r):
+        return max(2 * c * g, c * g + 16 * k * r + 16 * r * r + 8)
+    size = 8 if gram_fp64 else 4
+    rr = c * r * r
+    grams = size * rr + (8 * k * r if gram_fp64 else 0)
+    factors = 4 * size * rr
+    products = 4 * rr + (0 if gram_fp64 else 4 * k * r)
+    return max(2 * c * g, c * g + max(grams, factors, products))
+
+
 @torch.no_grad()
 def make_projections_(outs: list[torch.Tensor], kind: str, seeds: list[int]) -> None:
     """Write the projection of ``seeds[m]`` into ``outs[m]`` (k x r, any float dtype).
