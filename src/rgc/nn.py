@@ -19,7 +19,7 @@ from rgc.experts import (
 from rgc.experts.module import check_experts
 from rgc.guards import check_wrap_targets, install_step_guard, register_wrapped
 from rgc.projection import check_rank
-from rgc.registry import SUPPORTED_WEIGHT_DTYPES, register_owner, sketched_owner_of
+from rgc.registry import SUPPORTED_WEIGHT_DTYPES, register_owner
 from rgc.seeding import derive_seed
 from rgc.sketched import SketchedWeight, check_refresh
 
@@ -32,12 +32,6 @@ DEFAULT_TARGETS = frozenset({
     "query_key_value", "dense_h_to_4h", "dense_4h_to_h",
     "wq", "wk", "wv", "wo", "w1", "w2", "w3",
 })
-
-
-def compressed_layer_of(param: torch.Tensor) -> CompressedLinear | None:
-    """The :class:`CompressedLinear` whose weight is ``param``, or ``None``."""
-    owner = sketched_owner_of(param)
-    return owner if isinstance(owner, CompressedLinear) else None
 
 
 class CompressedLinear(SketchedWeight, nn.Linear):
@@ -108,7 +102,7 @@ class CompressedLinear(SketchedWeight, nn.Linear):
         super().__setattr__(name, value)
         # Wrappers that swap the Parameter object itself (FSDP2's fully_shard installs a sharded
         # DTensor and swaps the gathered weight in and out around forward) must keep
-        # compressed_layer_of(param) working for whatever Parameter the optimizer was given.
+        # sketched_owner_of(param) working for whatever Parameter the optimizer was given.
         if name == "weight" and isinstance(value, torch.Tensor):
             register_owner(value, self)
 

@@ -51,21 +51,6 @@ def check_rank(kind: str, in_features: int, rank: int) -> None:
             f"in_features={in_features}; lower the rank or use projection='rademacher'")
 
 
-def gaussian_matrix(k: int, r: int, *, seed: int, device=None) -> torch.Tensor:
-    """``G`` (k x r, FP32, on ``device``): the Box-Muller Gaussians described above."""
-    device = torch.device("cpu") if device is None else torch.device(device)
-    return ops.gaussian_matrices(k, r, [seed], device)[0]
-
-
-def projections(kind: str, k: int, r: int, seeds: list[int], *, device, dtype) -> torch.Tensor:
-    """``[M, k, r]``: the projection of each seed, in ``dtype`` on ``device`` (one
-    :func:`rgc.ops.make_projections_` call for all seeds)."""
-    check_rank(kind, k, r)
-    out = torch.empty(len(seeds), k, r, dtype=dtype, device=device)
-    ops.make_projections_(list(out.unbind(0)), kind, list(seeds))
-    return out
-
-
 def make_projection(
     kind: str,
     in_features: int,

@@ -402,7 +402,7 @@ def _polar(rho: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def _gaussian_pairs(cos_out: torch.Tensor, sin_out: torch.Tensor, keys: torch.Tensor) -> None:
-    """``cos_out[m, i], sin_out[m, i] = box_muller(w0, w1)`` (``[M, n]`` FP32, contiguous)
+    """``cos_out[m, i], sin_out[m, i] = _polar(_rho(w0), w1)`` (``[M, n]`` FP32, contiguous)
     of the words of indices ``keys[m, 0, 0] + i`` and ``keys[m, 1, 0] + i`` keyed by
     ``keys[m, :, 1:]`` (the seed words; ``keys``: ``[M, 2, 3]`` int32, additions wrap mod
     2**32). Elementwise: a seed's pairs do not depend on the other seeds. On the CPU one
@@ -440,13 +440,6 @@ def _gaussian_loop(device: torch.device):
     return _gaussian_pairs_blocked
 
 
-def box_muller(w0: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rho cos(theta), rho sin(theta))`` (FP32) of 24-bit words ``w0``, ``w1`` (int32):
-    ``rho = sqrt(-2 ln u)``, ``u = (w0 + 1) 2^-24``, ``theta = 2 pi w1 2^-24``, with the float32
-    polynomials of :data:`BOX_MULLER_CONSTANTS` evaluated one IEEE operation at a time."""
-    return _polar(_rho(w0), w1)
-
-
 #: Box-Muller pairs computed at once: the temporaries of the eager path (62 bytes per pair,
 #: measured) stay about 2 MiB whatever k and r; the compiled loop has none.
 GAUSSIAN_BLOCK = 1 << 15
@@ -457,7 +450,9 @@ def gaussian_matrices(k: int, r: int, seeds: list[int], device) -> torch.Tensor:
 
     With ``h = ceil(r/2)``, pair ``c`` of row ``i`` (``m = i h + c``) takes the words of indices
     ``m`` and ``k h + m`` (label ``"projection-gaussian"``) shifted right by 8:
-    ``G[i, c], G[i, h + c] = box_muller(w0, w1)``. Elementwise, so a seed's ``G`` does not
+    ``G[i, c], G[i, h + c] = (rho cos(theta), rho sin(theta))`` with ``rho = sqrt(-2 ln u)``,
+    ``u = (w0 + 1) 2^-24``, ``theta = 2 pi w1 2^-24``, by the float32 polynomials of :data:`BM`
+    evaluated one IEEE operation at a time. Elementwise, so a seed's ``G`` does not
     depend on the other seeds of the batch (on the CPU one compiled loop writes every seed's);
     the Triton kernel performs the same operations.
     """
