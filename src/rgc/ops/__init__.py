@@ -48,9 +48,8 @@ IMPLEMENTATIONS = ("torch", "triton")
 
 __all__ = ["IMPLEMENTATIONS", "gaussian_matrices", "implementation", "implementation_for_device",
            "integer_loop", "lowrank_update_", "make_projections_", "one_pass", "orthonormalize",
-           "pairwise_sums",
-           "random_words", "row_adam_", "run_under_mode", "sketch_stats", "stochastic_round_",
-           "sum_squares", "triton_available"]
+           "pairwise_sums", "random_words", "row_adam_", "run_under_mode", "sketch_stats",
+           "stochastic_round_", "sum_squares", "triton_available"]
 
 
 @functools.cache
