@@ -320,7 +320,7 @@ def bench_step(timer: Timer, config: dict, name: str, ranks, tokens: int) -> lis
 
 def registers(out) -> list[dict]:
     """Registers and stack bytes of every kernel configuration, compiled ahead of time."""
-    from rgc.ops import aot
+    from tools import aot
 
     reason = aot.toolchain_missing()
     if reason is not None:
@@ -330,7 +330,7 @@ def registers(out) -> list[dict]:
     write_results("kernel_registers", rows, title="Kernel resources, compiled ahead of time",
                   notes="Per thread: registers and stack bytes (a spill needs stack; 0 = "
                   "spill-free); local and shared bytes per block. Compiled with the Triton "
-                  "wheel's ptxas, read with its cuobjdump (rgc.ops.aot); one row per distinct "
+                  "wheel's ptxas, read with its cuobjdump (tools/aot.py); one row per distinct "
                   "specialisation, named by the first case that needs it.", **kwargs)
     return rows
 

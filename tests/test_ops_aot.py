@@ -12,22 +12,24 @@ compiles 318 kernels (106 per architecture: about 4 minutes of CPU time); with T
 import importlib
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ is not installed
 
 
 @pytest.fixture(scope="module")
 def aot():
-    """rgc.ops.aot with the kernels loaded compiled (not interpreted)."""
+    """tools.aot with the kernels loaded compiled (not interpreted)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("TRITON_INTERPRET", raising=False)
         kernels = sys.modules.get("rgc.ops.triton")
         if kernels is not None and kernels.INTERPRETED:
             importlib.reload(kernels)
-        from rgc.ops import aot
+        from tools import aot
         reason = aot.toolchain_missing()
         if reason is not None:
             pytest.skip(f"cannot compile ahead of time: {reason}")

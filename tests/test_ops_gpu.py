@@ -20,6 +20,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import rgc  # noqa: E402
 from rgc.ops import reference as R  # noqa: E402
 from rgc.ops import triton as T  # noqa: E402
+from rgc.ops import triton_buffers  # noqa: E402
 from tests.bf16_checks import assert_close_bf16, bits16  # noqa: E402
 from tests.launches import CountLaunches  # noqa: E402
 
@@ -252,7 +253,8 @@ def test_refresh_is_batch_invariant_on_the_device(kind, dtype, k, r, monkeypatch
         return outs
 
     batch, reverse = refresh(seeds), refresh(seeds[::-1])[::-1]
-    monkeypatch.setattr(T, "PROJECTION_CHUNK_BYTES", 5 * T.projection_bytes(k, r))
+    monkeypatch.setattr(triton_buffers, "PROJECTION_CHUNK_BYTES",
+                        5 * triton_buffers.projection_bytes(k, r))
     chunked = refresh(seeds)
     for i in (0, 5, 23):
         (alone,) = refresh([seeds[i]])

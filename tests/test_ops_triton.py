@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 
 import rgc  # noqa: E402
 from rgc.ops import reference as R  # noqa: E402
+from rgc.ops import triton_buffers  # noqa: E402
 from rgc.rounding import mix32, seed_words  # noqa: E402
 from tests.bf16_checks import MAX_MISMATCH, assert_close_bf16, bits16  # noqa: E402
 from tests.launches import CountLaunches  # noqa: E402
@@ -566,6 +567,21 @@ def test_sketch_stats_match_float64_and_find_nonfinite_sketches():
     assert math.isnan(h2[1, 1]) and not math.isfinite(h2[2, 0])
 
 
+def test_sketch_stats_buffers_are_counted_by_its_byte_helper():
+    # What the estimator reads (rgc.ops.triton_buffers.sketch_stats_bytes, summed over the
+    # stacks: every group's buffers exist before the first launch) against the allocations
+    # measured beside the outputs; the table rows (16 bytes a stack, made from a host list)
+    # are counted by the helper but not seen by the tracker.
+    cs = [torch.randn(3, 130, 5), torch.randn(3, 37, 20), torch.randn(3, 37, 20)]
+    ps = [torch.randn(90, 5), torch.randn(53, 20).bfloat16(), torch.randn(53, 20)]
+    T.sketch_stats(cs, ps)
+    with rgc.memory.track() as rec:
+        h2, finite = T.sketch_stats(cs, ps)
+    counted = sum(triton_buffers.sketch_stats_bytes(*c.shape) for c in cs)
+    buffers = rec.peak - h2.nbytes - finite.nbytes
+    assert counted - 16 * len(cs) <= buffers <= counted, (buffers, counted, rec.allocations)
+
+
 @pytest.mark.parametrize("k,r", [(200, 16), (300, 37), (40, 16)])
 @pytest.mark.parametrize("gram_fp64", [False, True])
 def test_orthonormalize_matches_float64_qr(k, r, gram_fp64):
@@ -600,7 +616,8 @@ def test_a_projection_has_the_bits_it_has_alone_in_any_batch(kind, k, r, dtype, 
     seeds = [5, 2**40 + 3, 0, 77]
     batch = triton_projections(kind, k, r, seeds, dtype)
     reverse = triton_projections(kind, k, r, seeds[::-1], dtype)[::-1]
-    monkeypatch.setattr(T, "PROJECTION_CHUNK_BYTES", T.projection_bytes(k, r) * 3 // 2)
+    monkeypatch.setattr(triton_buffers, "PROJECTION_CHUNK_BYTES",
+                        triton_buffers.projection_bytes(k, r) * 3 // 2)
     chunked = triton_projections(kind, k, r, seeds, dtype)
     for i, seed in enumerate(seeds):
         (alone,) = triton_projections(kind, k, r, [seed], dtype)
@@ -665,13 +682,14 @@ def test_refresh_buffers_stay_within_the_chunk(monkeypatch):
     gc.freeze()
     try:
         for k, r in [(64, 8), (24, 8)]:  # one CholeskyQR pass, CholeskyQR3
-            monkeypatch.setattr(T, "PROJECTION_CHUNK_BYTES", 2 * T.projection_bytes(k, r))
+            chunk = 2 * triton_buffers.projection_bytes(k, r)
+            monkeypatch.setattr(triton_buffers, "PROJECTION_CHUNK_BYTES", chunk)
             outs = [torch.empty(k, r) for _ in range(7)]
             T.make_projections_(outs, "orthonormal", list(range(7)))  # compile
             with rgc.memory.track() as rec:
                 T.make_projections_(outs, "orthonormal", list(range(7)))
-            assert rec.peak <= T.PROJECTION_CHUNK_BYTES + 4096, (rec.peak, rec.largest)
-            assert max(a.nbytes for a in rec.allocations) <= T.PROJECTION_CHUNK_BYTES
+            assert rec.peak <= chunk + 4096, (rec.peak, rec.largest)
+            assert max(a.nbytes for a in rec.allocations) <= chunk
     finally:
         gc.unfreeze()
 

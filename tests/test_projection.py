@@ -6,12 +6,23 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import rgc
-from rgc import PROJECTION_KINDS, make_projection
+from rgc import PROJECTION_KINDS, make_projection, ops
 from rgc.ops import reference
-from rgc.ops.reference import box_muller
-from rgc.projection import advance_projections, gaussian_matrix, projections
+from rgc.projection import advance_projections
 from rgc.rounding import random_bits
 from tests.host_reads import CountHostReads
+
+
+def gaussian_matrix(k, r, *, seed):
+    """``G`` (k x r FP32) of one seed on the CPU: the operator of a refresh's first step."""
+    return ops.gaussian_matrices(k, r, [seed], torch.device("cpu"))[0]
+
+
+def projections(kind, k, r, seeds, *, dtype):
+    """``[M, k, r]``: the CPU projection of each seed, all refreshed by one operator call."""
+    out = torch.empty(len(seeds), k, r, dtype=dtype)
+    ops.make_projections_(list(out.unbind(0)), kind, list(seeds))
+    return out
 
 
 @given(k=st.integers(1, 64), r=st.integers(1, 64), seed=st.integers(0, 2**63 - 1),
@@ -106,7 +117,7 @@ def test_a_batch_of_projections_has_the_bits_of_each_alone(k, r, seeds, kind, dt
     same bits (each matrix's arithmetic does not depend on its batch)."""
     if kind == "orthonormal" and r > k:
         return
-    batch = projections(kind, k, r, seeds, device="cpu", dtype=dtype)
+    batch = projections(kind, k, r, seeds, dtype=dtype)
     for i, seed in enumerate(seeds):
         assert torch.equal(batch[i], make_projection(kind, k, r, seed=seed, dtype=dtype))
 
@@ -134,12 +145,14 @@ def test_advance_projections_moves_each_owner_to_its_next_version():
 
 
 def test_gaussian_rows_are_symmetric_under_negation_bit_for_bit():
-    # The quadrant construction: flipping bit 1 of the quadrant negates the pair exactly, so
-    # a row's law is exactly symmetric. Checked with hand-made words.
+    # The quadrant construction: flipping bit 1 of the quadrant (the top bit of the 24-bit
+    # angle word) negates the pair exactly, so a row's law is exactly symmetric. Checked on
+    # hand-made words through the reference's polar step (no public entry takes words).
     w0 = torch.arange(0, 1 << 24, 4099, dtype=torch.int32)
     w1 = (w0.to(torch.int64) * 2654435761 & 0xFFFFFF).to(torch.int32)
-    c1, s1 = box_muller(w0, w1)
-    c2, s2 = box_muller(w0, w1 ^ (1 << 23))
+    rho = torch.sqrt(-2 * torch.log((w0.double() + 1) / 2**24)).float()
+    c1, s1 = reference._polar(rho, w1)
+    c2, s2 = reference._polar(rho, w1 ^ (1 << 23))
     assert torch.equal(c2, -c1) and torch.equal(s2, -s1)
 
 
@@ -212,7 +225,7 @@ def test_projections_across_chunks_have_the_bits_of_each_alone(monkeypatch, kind
     monkeypatch.setattr(reference, "PROJECTION_CHUNK_BYTES", 2 * 8 * k * ((r + 1) // 2))
     assert reference.projection_chunk(k, r) == 2
     for order in (seeds, seeds[::-1]):
-        batch = projections(kind, k, r, order, device="cpu", dtype=dtype)
+        batch = projections(kind, k, r, order, dtype=dtype)
         for p, s in zip(batch, order, strict=True):
             assert torch.equal(p, alone[s])
     if kind == "orthonormal" and dtype == torch.float32:

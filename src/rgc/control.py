@@ -172,21 +172,6 @@ def _divergences(logits_old: torch.Tensor, logits_new: torch.Tensor,
     return (lp.exp() * (lp - lq)).sum(-1)
 
 
-def kl_coefficient(logits: torch.Tensor, tangent: torch.Tensor,
-                   token_mask: torch.Tensor | None = None) -> float:
-    """``kappa = 1/2 mean_t Var_{v ~ softmax(logits_t)}(tangent_t,v)``, in float64."""
-    variances = _variances(logits, tangent, token_mask)
-    if variances.numel() == 0:
-        raise ValueError("the probe's token_mask selects no token")
-    return 0.5 * float(variances.mean())
-
-
-def kl_divergence(logits_old: torch.Tensor, logits_new: torch.Tensor,
-                  token_mask: torch.Tensor | None = None) -> float:
-    """Mean over tokens of ``KL(softmax(old) || softmax(new))``, in float64."""
-    return float(_divergences(logits_old, logits_new, token_mask).mean())
-
-
 def mean_over_ranks(values: torch.Tensor, optimizer) -> float:
     """The mean of per-token ``values`` (float64 ``(n,)``) over the tokens of every rank that
     trains with ``optimizer`` (its ``sum_over_ranks``: one all-reduce of two float64 on several

@@ -13,16 +13,10 @@ from rgc.experts import is_sketched_experts, sketch_experts, unsketch_experts
 from rgc.experts.module import check_experts
 from rgc.guards import check_wrap_targets, install_step_guard, register_wrapped
 from rgc.projection import check_rank
-from rgc.registry import SUPPORTED_WEIGHT_DTYPES, SketchedModule, sketched_owner_of
+from rgc.registry import SUPPORTED_WEIGHT_DTYPES, SketchedModule
 from rgc.seeding import derive_seed
 from rgc.sketched import SketchedWeight, check_refresh
 from rgc.targets import DEFAULT_TARGETS, Targets, plan_targets, skipped_message
-
-
-def compressed_layer_of(param: torch.Tensor) -> CompressedLinear | None:
-    """The :class:`CompressedLinear` whose weight is ``param``, or ``None``."""
-    owner = sketched_owner_of(param)
-    return owner if isinstance(owner, CompressedLinear) else None
 
 
 class CompressedLinear(SketchedModule, SketchedWeight, nn.Linear):

@@ -38,9 +38,6 @@ from rgc import ops
 
 PROJECTION_KINDS = ("orthonormal", "rademacher", "gaussian")
 
-# k >= _ONE_PASS_RATIO * r: one CholeskyQR pass; below: float64 shifted CholeskyQR3.
-_ONE_PASS_RATIO = 4
-
 
 def check_rank(kind: str, in_features: int, rank: int) -> None:
     """Raise ``ValueError`` for an unknown kind or a rank the kind cannot provide."""
@@ -52,21 +49,6 @@ def check_rank(kind: str, in_features: int, rank: int) -> None:
         raise ValueError(
             f"an orthonormal projection needs rank <= in_features, got rank={rank} > "
             f"in_features={in_features}; lower the rank or use projection='rademacher'")
-
-
-def gaussian_matrix(k: int, r: int, *, seed: int, device=None) -> torch.Tensor:
-    """``G`` (k x r, FP32, on ``device``): the Box-Muller Gaussians described above."""
-    device = torch.device("cpu") if device is None else torch.device(device)
-    return ops.gaussian_matrices(k, r, [seed], device)[0]
-
-
-def projections(kind: str, k: int, r: int, seeds: list[int], *, device, dtype) -> torch.Tensor:
-    """``[M, k, r]``: the projection of each seed, in ``dtype`` on ``device`` (one
-    :func:`rgc.ops.make_projections_` call for all seeds)."""
-    check_rank(kind, k, r)
-    out = torch.empty(len(seeds), k, r, dtype=dtype, device=device)
-    ops.make_projections_(list(out.unbind(0)), kind, list(seeds))
-    return out
 
 
 def make_projection(

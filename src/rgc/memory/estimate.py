@@ -57,7 +57,7 @@ import torch
 import torch.nn as nn
 
 from rgc.experts import expert_weight_names
-from rgc.ops.reference import projection_chunk, sketch_stats_bytes
+from rgc.ops import reference, triton_buffers
 from rgc.targets import Targets, plan_targets
 from rgc.updates import resolve_chunk_rows
 
@@ -526,33 +526,11 @@ def _moe_layer_activations(arch: Architecture, n: int, wsize: int, dense: bool) 
 
 def _refresh_temp(k: int, r: int, weight_itemsize: int = 2, implementation: str = "torch",
                   projections: int = 1) -> int:
-    g = 8 * k * ((r + 1) // 2)  # G: 4k * 2ceil(r/2)
-    if implementation != "torch":
-        # G, written by one Triton kernel, then G and G R^-1 (4kr) beside the r x r factors
-        # (BF16 P, k >= 4r); G, its float64 copy and G R^-1 (FP32 P); float64 CholeskyQR3
-        # (k < 4r)
-        if k < 4 * r:
-            factoring = 20 * k * r + 16 * r * r + 8
-        elif weight_itemsize == 2:
-            factoring = g + 4 * k * r + 4 * r * r
-        else:
-            factoring = 16 * k * r + 12 * r * r
-        return max(g, factoring)
-    # The reference refreshes the projections of one shape in chunks (rgc.ops.reference.
-    # make_projections_): c G at once, written by one compiled loop through two buffers of
-    # pairs as large (2 c G); then beside the c G: float64 CholeskyQR3 matrix by matrix
-    # (k < 4r: 16kr + 16r^2); or the c Grams (FP32 for BF16 P, float64 with a float64 copy of
-    # one G for FP32 P), four c r^2 factors while they are inverted, and the FP32 inverses
-    # with one FP32 product G R^-1 at a time (none for an FP32 P, written in place).
-    c = min(max(1, projections), projection_chunk(k, r))
-    if k < 4 * r:
-        return max(2 * c * g, c * g + 16 * k * r + 16 * r * r + 8)
-    size = 4 if weight_itemsize == 2 else 8
-    rr = c * r * r
-    grams = size * rr + (0 if size == 4 else 8 * k * r)
-    factors = 4 * size * rr
-    products = 4 * rr + (4 * k * r if size == 4 else 0)
-    return max(2 * c * g, c * g + max(grams, factors, products))
+    # the orthonormal refresh of the ``projections`` P of this shape (one make_projections_
+    # call, in chunks), P in the weights' dtype (a float64 Gram unless BF16)
+    if implementation == "triton":
+        return triton_buffers.make_projections_bytes(k, r, projections)
+    return reference.make_projections_bytes(k, r, weight_itemsize != 2, projections)
 
 
 def _update_temp(d: int, k: int, r: int, chunk_rows: int | None, implementation: str) -> int:
@@ -564,12 +542,10 @@ def _update_temp(d: int, k: int, r: int, chunk_rows: int | None, implementation:
 
 
 def _norm_temp(d: int, k: int, r: int, experts: int = 1, implementation: str = "torch") -> int:
-    # ||C P^T||^2 and finiteness (rgc.ops.sketch_stats). The reference: P, its Gram, C^T C
-    # and a chunk of C in float64 (rgc.ops.reference.sketch_stats_bytes); the kernel: P in
-    # FP32, its Gram, C P^T P
+    # ||C P^T||^2 and finiteness of one stack (rgc.ops.sketch_stats)
     if implementation == "triton":
-        return 4 * k * r + 4 * d * r + 4 * r * r
-    return sketch_stats_bytes(experts, d, k, r)
+        return triton_buffers.sketch_stats_bytes(experts, d, r)
+    return reference.sketch_stats_bytes(experts, d, k, r)
 
 
 def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None = None,
@@ -577,17 +553,16 @@ def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None = Non
                          experts: int = 1, projections: int = 1) -> int:
     """Largest transient of one RGCOptimizer update of a d x k weight at rank r, in bytes.
 
-    The largest of: ``||H||`` from the Grams and the finiteness of C (P, ``P^T P`` and
-    ``C^T C`` in float64, 8kr + 16r^2, beside a float64 chunk of C's rows:
-    :func:`rgc.ops.reference.sketch_stats_bytes`); the update (4kr plus
-    :data:`UPDATE_BYTES_PER_CHUNK_ELEMENT` per chunk element); regenerating P after the step
-    (about 8kr for BF16 weights, 16kr for FP32, 20kr when k < 4r; the reference regenerates
-    ``projections`` of this shape, those of every target with this k, in chunks of
-    :func:`rgc.ops.reference.projection_chunk`, with their G at once: 16kr per projection of
-    a chunk while G is generated).
+    The largest of: ``||H||`` from the Grams and the finiteness of C (the reference: P,
+    ``P^T P`` and ``C^T C`` in float64, 8kr + 16r^2, beside a float64 chunk of C's rows); the
+    update (4kr plus :data:`UPDATE_BYTES_PER_CHUNK_ELEMENT` per chunk element); regenerating
+    P after the step: the ``projections`` of this shape (those of every target with this k)
+    in one call, in chunks. The first and the last are the ops' own counts of their buffers:
+    ``sketch_stats_bytes`` and ``make_projections_bytes`` of :mod:`rgc.ops.reference`
+    (``implementation='torch'``) or of :mod:`rgc.ops.triton_buffers` (``'triton'``).
 
     A stack of ``experts`` matrices takes the same step matrix by matrix: its largest
-    transient is one matrix's, but for one float64 sum per expert.
+    transient is one matrix's, but for its sums per expert.
     """
     return UPDATE_SCALAR_BYTES + max(
         _norm_temp(d, k, r, experts, implementation),

@@ -29,7 +29,8 @@ length: this is how an optimizer step's launches stay independent of the number 
 
 ``pairwise_sums`` (a plain function, every device) is the fixed-order sum over the last
 dimension that every reduction feeding a coefficient uses (docs/design.md, "One bit
-contract").
+contract"); ``one_pass(k, r)`` says which CholeskyQR variant ``orthonormalize`` runs (one
+pass for ``k >= 4 r``, shifted CholeskyQR3 in float64 below).
 """
 
 import functools
@@ -41,15 +42,14 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rgc.ops import reference
-from rgc.ops.reference import pairwise_sums
+from rgc.ops.reference import one_pass, pairwise_sums
 
 IMPLEMENTATIONS = ("torch", "triton")
 
 __all__ = ["IMPLEMENTATIONS", "gaussian_matrices", "implementation", "implementation_for_device",
-           "integer_loop",
-           "lowrank_update_", "make_projections_", "orthonormalize", "pairwise_sums",
-           "random_words", "row_adam_", "run_under_mode", "sketch_stats", "stochastic_round_",
-           "sum_squares", "triton_available"]
+           "integer_loop", "lowrank_update_", "make_projections_", "one_pass", "orthonormalize",
+           "pairwise_sums", "random_words", "row_adam_", "run_under_mode", "sketch_stats",
+           "stochastic_round_", "sum_squares", "triton_available"]
 
 
 @functools.cache
@@ -207,7 +207,7 @@ def make_projections_(outs: list[Tensor], kind: str, seeds: list[int]) -> None:
 def orthonormalize(g: Tensor, scale: float, gram_fp64: bool) -> Tensor:
     """``scale Q`` of the thin QR of each ``g[m]`` (CholeskyQR); FP32, or float64 for k < 4 r."""
     k, r = g.shape[1:]
-    return torch.empty_like(g, dtype=torch.float32 if k >= 4 * r else torch.float64)
+    return torch.empty_like(g, dtype=torch.float32 if one_pass(k, r) else torch.float64)
 
 
 @_define("row_adam_", ("sketches", "exp_avgs", "exp_avg_sqs"),

@@ -402,7 +402,7 @@ def _polar(rho: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def _gaussian_pairs(cos_out: torch.Tensor, sin_out: torch.Tensor, keys: torch.Tensor) -> None:
-    """``cos_out[m, i], sin_out[m, i] = box_muller(w0, w1)`` (``[M, n]`` FP32, contiguous)
+    """``cos_out[m, i], sin_out[m, i] = _polar(_rho(w0), w1)`` (``[M, n]`` FP32, contiguous)
     of the words of indices ``keys[m, 0, 0] + i`` and ``keys[m, 1, 0] + i`` keyed by
     ``keys[m, :, 1:]`` (the seed words; ``keys``: ``[M, 2, 3]`` int32, additions wrap mod
     2**32). Elementwise: a seed's pairs do not depend on the other seeds. On the CPU one
@@ -440,13 +440,6 @@ def _gaussian_loop(device: torch.device):
     return _gaussian_pairs_blocked
 
 
-def box_muller(w0: torch.Tensor, w1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rho cos(theta), rho sin(theta))`` (FP32) of 24-bit words ``w0``, ``w1`` (int32):
-    ``rho = sqrt(-2 ln u)``, ``u = (w0 + 1) 2^-24``, ``theta = 2 pi w1 2^-24``, with the float32
-    polynomials of :data:`BOX_MULLER_CONSTANTS` evaluated one IEEE operation at a time."""
-    return _polar(_rho(w0), w1)
-
-
 #: Box-Muller pairs computed at once: the temporaries of the eager path (62 bytes per pair,
 #: measured) stay about 2 MiB whatever k and r; the compiled loop has none.
 GAUSSIAN_BLOCK = 1 << 15
@@ -457,7 +450,9 @@ def gaussian_matrices(k: int, r: int, seeds: list[int], device) -> torch.Tensor:
 
     With ``h = ceil(r/2)``, pair ``c`` of row ``i`` (``m = i h + c``) takes the words of indices
     ``m`` and ``k h + m`` (label ``"projection-gaussian"``) shifted right by 8:
-    ``G[i, c], G[i, h + c] = box_muller(w0, w1)``. Elementwise, so a seed's ``G`` does not
+    ``G[i, c], G[i, h + c] = (rho cos(theta), rho sin(theta))`` with ``rho = sqrt(-2 ln u)``,
+    ``u = (w0 + 1) 2^-24``, ``theta = 2 pi w1 2^-24``, by the float32 polynomials of :data:`BM`
+    evaluated one IEEE operation at a time. Elementwise, so a seed's ``G`` does not
     depend on the other seeds of the batch (on the CPU one compiled loop writes every seed's);
     the Triton kernel performs the same operations.
     """
@@ -486,6 +481,12 @@ def _gaussians(k: int, r: int, seeds: list[int], device: torch.device) -> torch.
     return g
 
 
+def one_pass(k: int, r: int) -> bool:
+    """Whether a k x r ``G`` is orthonormalised by one CholeskyQR pass (``k >= 4 r``), rather
+    than by shifted CholeskyQR3 in float64 (``G`` can be ill conditioned below)."""
+    return k >= 4 * r
+
+
 def orthonormalize(g: torch.Tensor, scale: float, gram_fp64: bool) -> torch.Tensor:
     """``scale * Q`` for the thin QR ``g = Q R`` (``R`` with a positive diagonal), per matrix.
 
@@ -496,13 +497,13 @@ def orthonormalize(g: torch.Tensor, scale: float, gram_fp64: bool) -> torch.Tens
     """
     k, r = g.shape[1:]
     return torch.stack([_orthonormalize_one(x, scale, gram_fp64) for x in g]) if len(g) else (
-        torch.empty(g.shape, dtype=torch.float32 if k >= 4 * r else torch.float64,
+        torch.empty(g.shape, dtype=torch.float32 if one_pass(k, r) else torch.float64,
                     device=g.device))
 
 
 def _orthonormalize_one(g: torch.Tensor, scale: float, gram_fp64: bool) -> torch.Tensor:
     k, r = g.shape
-    if k >= 4 * r:
+    if one_pass(k, r):
         gw = g.double() if gram_fp64 else g
         inverse = _scaled_inverse_cholesky(gw.t() @ gw, scale)
         return g @ inverse.to(g.dtype)
@@ -530,6 +531,28 @@ PROJECTION_CHUNK_BYTES = 1 << 21
 def projection_chunk(k: int, r: int) -> int:
     """Projections of one k x r shape that :func:`make_projections_` refreshes together."""
     return max(1, PROJECTION_CHUNK_BYTES // max(1, 8 * k * ((r + 1) // 2)))
+
+
+def make_projections_bytes(k: int, r: int, gram_fp64: bool, count: int = 1) -> int:
+    """Peak temporary bytes of :func:`make_projections_` refreshing ``count`` orthonormal
+    k x r projections of one shape (``gram_fp64``: the output is not BF16).
+
+    A chunk of c = :func:`projection_chunk` of them: c G at once (``8 k ceil(r/2)`` each),
+    written by the compiled loop through two buffers of pairs as large; then, beside the c G,
+    float64 CholeskyQR3 matrix by matrix (``k < 4 r``: ``16 k r + 16 r^2``); or the c Grams
+    (FP32, or float64 with a float64 copy of one G), four c r^2 factors while they are
+    inverted, and the FP32 inverses with one FP32 product ``G R^-1`` at a time (none for an
+    FP32 output, written in place)."""
+    g = 8 * k * ((r + 1) // 2)
+    c = min(max(1, count), projection_chunk(k, r))
+    if not one_pass(k, r):
+        return max(2 * c * g, c * g + 16 * k * r + 16 * r * r + 8)
+    size = 8 if gram_fp64 else 4
+    rr = c * r * r
+    grams = size * rr + (8 * k * r if gram_fp64 else 0)
+    factors = 4 * size * rr
+    products = 4 * rr + (0 if gram_fp64 else 4 * k * r)
+    return max(2 * c * g, c * g + max(grams, factors, products))
 
 
 @torch.no_grad()
@@ -581,7 +604,7 @@ def _orthonormal_into(outs: list[torch.Tensor], g: torch.Tensor, scale: float,
     matrix. Temporaries: the ``[M, r, r]`` Grams and inverses, and one k x r product (FP32)
     or float64 copy of one ``g[m]`` at a time."""
     count, k, r = g.shape
-    if k < 4 * r:
+    if not one_pass(k, r):
         for out, x in zip(outs, g, strict=True):
             out.copy_(_orthonormalize_one(x, scale, gram_fp64))
         return

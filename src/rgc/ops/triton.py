@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rgc.ops import reference
-from rgc.ops.reference import BM, GAUSSIAN_LABEL, SQRT2_BITS
+from rgc.ops import reference, triton_buffers
+from rgc.ops.reference import BM, GAUSSIAN_LABEL, SQRT2_BITS, one_pass
 from rgc.rounding import MIX32_MUL1, MIX32_MUL2, seed_words
 
 try:
@@ -770,7 +770,7 @@ UPDATE_TILE = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_R=16, C_PARTS=3, num_warps=8, n
 MAXNREG_ALIGNED = 128
 MAXNREG_MISALIGNED = 160
 GRAM_TILE = dict(BLOCK_R=64, BLOCK_K=32, num_warps=4, num_stages=1)
-STATS_TILE = dict(BLOCK_M=64, BLOCK_R=16, num_warps=4, num_stages=1)
+STATS_TILE = dict(BLOCK_M=triton_buffers.STATS_BLOCK_M, BLOCK_R=16, num_warps=4, num_stages=1)
 # The r x r Cholesky factor and inverse: one program per matrix, tiles of 32 x 32 float64.
 CHOLESKY_TILE = dict(BLOCK=32, num_warps=8, num_stages=1, maxnreg=192)
 # The projection G X^T: tiles of 64 x 64 of the k x r result, X^T's rows 16 at a time.
@@ -1076,7 +1076,7 @@ def update_launches(weights: list[torch.Tensor], factors: list[torch.Tensor],
     """Every launch of :func:`lowrank_update_` as ``(kernel, grid, args, kwargs)``, checked:
     per group of stacks with equal layouts, the update kernel, then (with ``sq_norms``) the
     ordered sum of its partials. ``config`` overrides tile entries (benchmarks). Used both to
-    run the update and to compile it ahead of time (:mod:`rgc.ops.aot`)."""
+    run the update and to compile it ahead of time (``tools/aot.py`` in a checkout)."""
     device = _check_stacks(weights, factors, projections)
     if device is None:
         return []
@@ -1233,7 +1233,8 @@ def gram_launches(matrices: list[torch.Tensor], out: torch.Tensor,
 def sketch_stats_launches(sketches: list[torch.Tensor], projections: list[torch.Tensor],
                           h2: torch.Tensor, finite: torch.Tensor) -> list[tuple]:
     """Per group of equal layouts: the Grams ``P^T P``, the row-block partials of
-    ``sum((C G) * C)`` and of the non-finite count, and their ordered sums (three launches)."""
+    ``sum((C G) * C)`` and of the non-finite count, and their ordered sums (three launches);
+    buffers of :func:`rgc.ops.triton_buffers.sketch_stats_bytes` per stack."""
     if not sketches:
         return []
     device = _check_device(*sketches, *projections)
@@ -1307,7 +1308,7 @@ def orthonormalize(g: torch.Tensor, scale: float, gram_fp64: bool) -> torch.Tens
         raise ValueError(f"g must be a 3-D [M, k, r] FP32 tensor, got {g.dim()}-D {g.dtype}")
     _check_device(g)
     m, k, r = g.shape
-    out = torch.empty(m, k, r, dtype=torch.float32 if k >= 4 * r else torch.float64,
+    out = torch.empty(m, k, r, dtype=torch.float32 if one_pass(k, r) else torch.float64,
                       device=g.device)
     if m and k and r:
         _launch(orthonormal_launches(g, list(out.unbind(0)), scale, gram_fp64))
@@ -1327,16 +1328,17 @@ def orthonormal_launches(g: torch.Tensor, outs: list[torch.Tensor], scale: float
     :func:`rgc.ops.reference.orthonormalize` on the first Gram): nine launches, through two
     float64 ``[M, k, r]`` buffers. Every launch runs one or more programs per matrix, whose
     work does not depend on the others: a matrix has the same bits in any batch. The buffers
-    are allocated here (``8 r^2`` bytes per matrix of Gram, ``16 r^2`` of work, ``4 or 8 r^2``
-    of X, plus ``16 k r`` for ``k < 4 r``)."""
+    are allocated here (``4 or 8 r^2`` bytes per matrix of Gram, ``16 r^2`` of work, ``4 or 8
+    r^2`` of X, plus ``16 k r`` for ``k < 4 r``: with G, at most
+    :func:`rgc.ops.triton_buffers.projection_bytes`)."""
     m, k, r = g.shape
     device = g.device
-    gram = torch.empty(m, r, r, dtype=torch.float32 if (k >= 4 * r and not gram_fp64)
+    single = one_pass(k, r)
+    gram = torch.empty(m, r, r, dtype=torch.float32 if (single and not gram_fp64)
                        else torch.float64, device=device)
     work = torch.empty(m, 2, r, r, dtype=torch.float64, device=device)
-    one_pass = k >= 4 * r
-    x = torch.empty(m, r, r, dtype=torch.float32 if one_pass else torch.float64, device=device)
-    if one_pass:
+    x = torch.empty(m, r, r, dtype=torch.float32 if single else torch.float64, device=device)
+    if single:
         return [*gram_launches(list(g.unbind(0)), gram, gram_fp64, refresh=True),
                 _cholesky_inverse_launch(gram, work, x, scale), _product_launch(g, x, outs)]
     buffers = torch.empty(2, m, k, r, dtype=torch.float64, device=device)
@@ -1378,32 +1380,23 @@ def _product_launch(g: torch.Tensor, x: torch.Tensor, outs: list[torch.Tensor]) 
 
 # --------------------------------------------------------------------- projection refresh
 
-#: Bytes of the refresh's buffers at once (G and the r x r work; the float64 CholeskyQR3
-#: buffers for k < 4 r): :func:`make_projections_` works in chunks of seeds within it.
-PROJECTION_CHUNK_BYTES = 64 << 20
 PROJECTION_KINDS = ("orthonormal", "gaussian", "rademacher")
-
-
-def projection_bytes(k: int, r: int) -> int:
-    """Bytes of the buffers of one orthonormal projection in :func:`make_projections_`."""
-    g = 8 * k * ((r + 1) // 2)
-    return g + (28 * r * r if k >= 4 * r else 32 * r * r + 16 * k * r)
 
 
 def make_projections_(outs: list[torch.Tensor], kind: str, seeds: list[int]) -> None:
     """:func:`rgc.ops.reference.make_projections_` on CUDA, batch-invariant: each projection
     has the bits it would have alone. Per group of outputs of one layout, ``rademacher`` and
     ``gaussian`` are one launch for all seeds (a seed table; bit-identical with the
-    reference); ``orthonormal`` works in chunks of seeds whose buffers
-    (:func:`projection_bytes` each) fit in :data:`PROJECTION_CHUNK_BYTES`, one Gaussian launch
-    and :func:`orthonormal_launches` per chunk (close to the reference, not equal)."""
+    reference); ``orthonormal`` works in chunks of
+    :func:`rgc.ops.triton_buffers.projection_chunk` seeds (their buffers within
+    ``PROJECTION_CHUNK_BYTES``), one Gaussian launch and :func:`orthonormal_launches` per chunk
+    (close to the reference, not equal)."""
     if not outs:
         return
     _check_projections(outs, kind, seeds)
     k, r = outs[0].shape
     for group in _groups([_layout_key(o) for o in outs]):
-        step = (max(1, PROJECTION_CHUNK_BYTES // projection_bytes(k, r))
-                if kind == "orthonormal" else len(group))
+        step = triton_buffers.projection_chunk(k, r) if kind == "orthonormal" else len(group)
         for start in range(0, len(group), step):
             chunk = group[start:start + step]  # one chunk's buffers at a time
             _launch(projection_launches([outs[i] for i in chunk], kind, [seeds[i] for i in chunk]))

@@ -14,8 +14,10 @@ at an odd column, a flat offset past 2**32), an odd rank with an aligned W, r = 
 turns arguments equal to 1 into constants), and transposed expert storage (unit stride on d),
 each with and without weight decay; and the norm-only pass of ``sum_squares``.
 
-Used by ``tests/test_ops_aot.py`` and ``benchmarks/gpu_kernels.py --registers``. Requires
-the kernels to be loaded compiled, not interpreted (``TRITON_INTERPRET`` unset when
+A developer tool, not part of the installed package (it reuses Triton's private argument
+binding, ``JITFunction._pack_args``): imported from a checkout as ``tools.aot`` by
+``tests/test_ops_aot.py`` and ``benchmarks/gpu_kernels.py --registers``. Requires the kernels
+to be loaded compiled, not interpreted (``TRITON_INTERPRET`` unset when
 :mod:`rgc.ops.triton` was imported).
 """
 
@@ -33,6 +35,7 @@ import torch
 import triton
 
 from rgc.ops import triton as K
+from rgc.ops.reference import one_pass
 
 ARCHS = (80, 90, 100)
 WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
@@ -63,10 +66,10 @@ def toolchain_missing() -> str | None:
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
         from triton.compiler import make_backend  # noqa: F401
-        from triton.runtime.jit import create_function_from_signature  # noqa: F401
+        from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: F401
     except ImportError as exc:
         return f"this Triton has no ahead-of-time compiler API ({exc})"
-    if not hasattr(K._lowrank_update_kernel, "_pack_args"):
+    if not hasattr(JITFunction, "_pack_args"):
         return "this Triton's JIT has no _pack_args (the argument binding reused here)"
     for tool in ("ptxas", "cuobjdump"):
         if not os.access(os.path.join(_bin_dir(), tool), os.X_OK):
@@ -297,7 +300,7 @@ def refresh_cases():
         for kind, (k, r) in [("rademacher", (53, 7)), ("gaussian", (53, 7)),
                              ("orthonormal", (53, 7)), ("orthonormal", (20, 7))]:
             outs = [torch.zeros(k, r, dtype=dtype) for _ in range(2)]
-            label = f"{kind}{' k < 4r' if k < 4 * r else ''}"
+            label = f"{kind}{'' if one_pass(k, r) else ' k < 4r'}"
             yield f"refresh, {label}, {name}", K.projection_launches(outs, kind, [1, 2])
 
 
