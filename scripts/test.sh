@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/setup.sh
-ruff check src tests benchmarks examples
+ruff check src tests benchmarks examples tools
 python -m pytest -q "$@"
 if [ $# -eq 0 ] && [ "${RGC_SKIP_VLLM:-0}" != 1 ]; then
   bash scripts/setup_vllm.sh

@@ -797,7 +797,7 @@ def _float64_norm(net) -> float:
     """The norm of every pending gradient estimate, in float64: ||C P^T|| of each sketch and
     the head's gradients."""
     total = 0.0
-    for name, layer in rgc.compressed_layers(net):
+    for _, layer in rgc.compressed_layers(net):
         total += float((layer.sketch.double() @ layer.projection.double().T).square().sum())
     total += sum(float(p.grad.double().square().sum()) for p in net.head.parameters())
     return math.sqrt(total)

@@ -34,12 +34,18 @@ from torch.optim import Optimizer
 from rgc import ops
 from rgc.optim.comm import Local
 from rgc.optim.rules import Partials, Proposal, sqrt32
+from rgc.payload import KeptUpdate, build_payload
 from rgc.projection import advance_projections
 from rgc.registry import sketched_owner_of
 from rgc.seeding import derive_seed
-from rgc.payload import KeptUpdate, build_payload
-from rgc.updates import (DenseUpdate, LowRankUpdate, StackUpdate, resolve_chunk_rows,
-                         sum_squares, to_host)
+from rgc.updates import (
+    DenseUpdate,
+    LowRankUpdate,
+    StackUpdate,
+    resolve_chunk_rows,
+    sum_squares,
+    to_host,
+)
 
 __all__ = ["DenseUpdate", "Entry", "LowRankUpdate", "Partials", "SketchOptimizer",
            "StackUpdate", "check_common_args", "rounding_seed"]
