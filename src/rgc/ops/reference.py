@@ -111,8 +111,10 @@ def _halving_sums(x: torch.Tensor, width: int, square: bool) -> torch.Tensor:
 #: (FP32, at most the chunk and its halves) stay within about one chunk of the update's rows.
 PAIRWISE_CHUNK = 1 << 18
 #: Rows of fewer padded elements in all run eagerly: each width is a graph of its own, worth
-#: compiling only where the data, not the per-operation overhead, costs the time.
-PAIRWISE_COMPILED_MIN = 1 << 15
+#: compiling only where the data, not the per-operation overhead, costs the time (an eager
+#: halving costs ~5 us per level, a compiled call ~30 us: 2**13 padded elements, 13 levels,
+#: take ~100 us eagerly).
+PAIRWISE_COMPILED_MIN = 1 << 13
 #: Padded elements one eager call reduces (at most three such FP32 temporaries at a time).
 PAIRWISE_EAGER_CHUNK = 1 << 12
 
@@ -149,16 +151,20 @@ def pairwise_sums(x: torch.Tensor, *, square: bool = False) -> torch.Tensor:
     if n == 0:
         return out.zero_()
     width = pairwise_width(n)
-    if x.device.type == "cpu" and out.numel() * width >= PAIRWISE_COMPILED_MIN:
-        run, step = _compiled(_halving_sums), max(1, PAIRWISE_CHUNK // width)
-    else:  # and at most a quarter of a matrix's rows: FP32 temporaries below its BF16 size
-        quarter = x.shape[-2] // 4 if x.dim() > 1 else 1
-        run, step = _halving_sums, max(1, min(PAIRWISE_EAGER_CHUNK // width, quarter))
+    compiled = x.device.type == "cpu" and out.numel() * width >= PAIRWISE_COMPILED_MIN
+    run = _compiled(_halving_sums) if compiled else _halving_sums
     rows = _rows_view(x.detach())
     blocks = [(rows, out.view(-1))] if rows is not None else [
         (x.detach()[index], out[index]) for index in itertools.product(
             *(range(size) for size in x.shape[:-2]))]
     for block, target in blocks:
+        count = block.shape[0]
+        if compiled:
+            step = max(1, PAIRWISE_CHUNK // width)
+        else:  # the block at once if it fits one call, else at most a quarter of its rows
+            # per call: FP32 temporaries below its BF16 size
+            step = max(1, PAIRWISE_EAGER_CHUNK // width)
+            step = count if count <= step else max(1, min(step, count // 4))
         for start in range(0, block.shape[0], step):
             target[start:start + step] = run(block[start:start + step], width, square)
     return out
@@ -749,10 +755,18 @@ def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
     overwritten with ``sum(float32(stored W)^2)`` per matrix, after the stack is written (the
     reduction of :func:`sum_squares`).
     """
-    for m, (w3, u3, p) in enumerate(zip(weights, factors, projections, strict=True)):
+    # the squares of each stored row summed as it is written, then the rows' sums: one call
+    # for every stack when they share E and d (an optimizer's stack of one shape)
+    row_sqs, shared = [None] * len(weights), None
+    if sq_norms is not None and weights:
+        if len({tuple(w.shape[:2]) for w in weights}) == 1:
+            shared = torch.empty(len(weights), *weights[0].shape[:2], device=weights[0].device)
+            row_sqs = list(shared)
+        else:
+            row_sqs = [torch.empty(w.shape[:2], device=w.device) for w in weights]
+    for m, (w3, u3, p, row_sq) in enumerate(zip(weights, factors, projections, row_sqs,
+                                                strict=True)):
         e_count, d, k = w3.shape
-        # the squares of each stored row summed as it is written, then the rows' sums
-        row_sq = None if sq_norms is None else torch.empty(e_count, d, device=w3.device)
         for e in range(e_count):
             c = coefs[m, e]
             keep = c != 0
@@ -767,7 +781,10 @@ def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
                             row_length=row_lengths[m], stochastic_rounding=stochastic_rounding,
                             row_sq=None if row_sq is None else row_sq[e, start:start + chunk_rows])
                 del h  # before the next chunk's: one chunk of FP32 at a time
-        if sq_norms is not None:
+    if shared is not None:
+        sq_norms.copy_(pairwise_sums(shared))
+    elif sq_norms is not None:
+        for m, row_sq in enumerate(row_sqs):
             sq_norms[m] = pairwise_sums(row_sq)
 
 
