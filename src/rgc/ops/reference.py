@@ -752,8 +752,9 @@ def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
     factor and P are replaced by zeros (a select), so ``U P^T`` is exactly +0 and, with
     ``decay == 0``, W is stored back bit-identical (signed zeros included) even when U or P
     hold inf/NaN. ``sq_norms`` (``[M, E]`` FP32 or ``None``) is
-    overwritten with ``sum(float32(stored W)^2)`` per matrix, after the stack is written (the
-    reduction of :func:`sum_squares`).
+    overwritten with ``sum(float32(stored W)^2)`` per matrix in the reduction of
+    :func:`sum_squares`: each row's sum as the chunk is written, then the rows' sums (an
+    ``[M, E, d]`` FP32 temporary).
     """
     # the squares of each stored row summed as it is written, then the rows' sums: one call
     # for every stack when they share E and d (an optimizer's stack of one shape)
