@@ -521,12 +521,14 @@ def _refresh_temp(k: int, r: int, weight_itemsize: int = 2, implementation: str 
     return max(2 * c * g, c * g + max(grams, factors, products))
 
 
-def _update_temp(d: int, k: int, r: int, chunk_rows: int | None, implementation: str) -> int:
-    # an FP32 copy of P plus the chunk of H and the scaled chunk of C (none on the Triton kernel)
+def _update_temp(d: int, k: int, r: int, chunk_rows: int | None, implementation: str,
+                 experts: int = 1) -> int:
+    # an FP32 copy of P plus the chunk of H and the scaled chunk of C (none on the Triton
+    # kernel); the reference also keeps each row's sum of squares of the stack (FP32)
     if implementation == "triton":
         return 4 * k * r
     rows = min(resolve_chunk_rows(chunk_rows, k), d)
-    return 4 * k * r + rows * (k * UPDATE_BYTES_PER_CHUNK_ELEMENT + 4 * r)
+    return 4 * k * r + rows * (k * UPDATE_BYTES_PER_CHUNK_ELEMENT + 4 * r) + 4 * experts * d
 
 
 def _norm_temp(d: int, k: int, r: int, experts: int = 1, implementation: str = "torch") -> int:
@@ -546,8 +548,8 @@ def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None = Non
     The largest of: ``||H||`` from the Grams and the finiteness of C (P, ``P^T P`` and
     ``C^T C`` in float64, 8kr + 16r^2, beside a float64 chunk of C's rows:
     :func:`rgc.ops.reference.sketch_stats_bytes`); the update (4kr plus
-    :data:`UPDATE_BYTES_PER_CHUNK_ELEMENT` per chunk element); regenerating P after the step
-    (about 8kr for BF16 weights, 16kr for FP32, 20kr when k < 4r; the reference regenerates
+    :data:`UPDATE_BYTES_PER_CHUNK_ELEMENT` per chunk element, and on the reference 4d per
+    matrix for the sums of its rows' squares); regenerating P after the step (about 8kr for BF16 weights, 16kr for FP32, 20kr when k < 4r; the reference regenerates
     ``projections`` of this shape, those of every target with this k, in chunks of
     :func:`rgc.ops.reference.projection_chunk`, with their G at once: 16kr per projection of
     a chunk while G is generated).
@@ -557,7 +559,7 @@ def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None = Non
     """
     return UPDATE_SCALAR_BYTES + max(
         _norm_temp(d, k, r, experts, implementation),
-        _update_temp(d, k, r, chunk_rows, implementation),
+        _update_temp(d, k, r, chunk_rows, implementation, experts),
         _refresh_temp(k, r, weight_itemsize, implementation, projections))
 
 
@@ -583,7 +585,7 @@ def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None =
     carry = max(16 * k * r + 16 * r * r, 8 * k * r + 12 * r * r + 4 * dr)
     return UPDATE_SCALAR_BYTES + max(
         8 * dr, _norm_temp(d, k, r, experts, implementation),
-        _update_temp(d, k, r, chunk_rows, implementation),
+        _update_temp(d, k, r, chunk_rows, implementation, experts),
         old_projections + max(_refresh_temp(k, r, weight_itemsize, implementation, projections),
                               carry))
 

@@ -111,10 +111,8 @@ def _halving_sums(x: torch.Tensor, width: int, square: bool) -> torch.Tensor:
 #: (FP32, at most the chunk and its halves) stay within about one chunk of the update's rows.
 PAIRWISE_CHUNK = 1 << 18
 #: Rows of fewer padded elements in all run eagerly: each width is a graph of its own, worth
-#: compiling only where the data, not the per-operation overhead, costs the time (an eager
-#: halving costs ~5 us per level, a compiled call ~30 us: 2**13 padded elements, 13 levels,
-#: take ~100 us eagerly).
-PAIRWISE_COMPILED_MIN = 1 << 13
+#: compiling only where the data, not the per-operation overhead, costs the time.
+PAIRWISE_COMPILED_MIN = 1 << 15
 #: Padded elements one eager call reduces (at most three such FP32 temporaries at a time).
 PAIRWISE_EAGER_CHUNK = 1 << 12
 
@@ -704,13 +702,10 @@ def _sq_sums_into(stacks: list[torch.Tensor], out: torch.Tensor) -> None:
 
 
 def _write_rows(rows: torch.Tensor, h: torch.Tensor, factor: torch.Tensor | None, *,
-                seed: int, offset: int, row_length: int, stochastic_rounding: bool,
-                row_sq: torch.Tensor | None = None) -> None:
+                seed: int, offset: int, row_length: int, stochastic_rounding: bool) -> None:
     """``rows <- rows * factor - h`` in FP32 (``factor=None``: 1), then stored: BF16 rows
     stochastically, row ``i`` element ``j`` with the bits of ``offset + i row_length + j``,
-    others as ``copy_`` rounds. ``h`` (FP32, rows' shape, contiguous) is consumed. ``row_sq``
-    (FP32 ``[rows]``, or ``None``) receives :func:`pairwise_sums` of the squares of each stored
-    row, read while the rows are still in cache."""
+    others as ``copy_`` rounds. ``h`` (FP32, rows' shape, contiguous) is consumed."""
     if rows.dtype == torch.bfloat16 and stochastic_rounding and rows.is_contiguous() \
             and row_length == rows.shape[1]:  # one pass: its patterns in h, then stored
         flat, words = rows.view(-1), h.view(-1)
@@ -731,8 +726,6 @@ def _write_rows(rows: torch.Tensor, h: torch.Tensor, factor: torch.Tensor | None
         else:
             for i in range(rows.shape[0]):  # a column slice of a wider matrix: its own index
                 stochastic_round_(rows[i], new[i], seed, offset + i * row_length)
-    if row_sq is not None:
-        row_sq.copy_(pairwise_sums(rows, square=True))
 
 
 @torch.no_grad()
@@ -753,21 +746,13 @@ def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
     ``decay == 0``, W is stored back bit-identical (signed zeros included) even when U or P
     hold inf/NaN. ``sq_norms`` (``[M, E]`` FP32 or ``None``) is
     overwritten with ``sum(float32(stored W)^2)`` per matrix in the reduction of
-    :func:`sum_squares`: each row's sum as the chunk is written, then the rows' sums (an
-    ``[M, E, d]`` FP32 temporary).
+    :func:`sum_squares`: each row's sum once its chunk is written, then the rows' sums (an
+    ``[E, d]`` FP32 temporary).
     """
-    # the squares of each stored row summed as it is written, then the rows' sums: one call
-    # for every stack when they share E and d (an optimizer's stack of one shape)
-    row_sqs, shared = [None] * len(weights), None
-    if sq_norms is not None and weights:
-        if len({tuple(w.shape[:2]) for w in weights}) == 1:
-            shared = torch.empty(len(weights), *weights[0].shape[:2], device=weights[0].device)
-            row_sqs = list(shared)
-        else:
-            row_sqs = [torch.empty(w.shape[:2], device=w.device) for w in weights]
-    for m, (w3, u3, p, row_sq) in enumerate(zip(weights, factors, projections, row_sqs,
-                                                strict=True)):
+    for m, (w3, u3, p) in enumerate(zip(weights, factors, projections, strict=True)):
         e_count, d, k = w3.shape
+        # each stored row's squares summed once its chunk is written, then the rows' sums
+        row_sq = None if sq_norms is None else torch.empty(e_count, d, device=w3.device)
         for e in range(e_count):
             c = coefs[m, e]
             keep = c != 0
@@ -779,13 +764,11 @@ def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
                 h = torch.where(keep, u3[e, start:start + chunk_rows] * c, 0.0) @ p_t
                 _write_rows(rows, h, factor, seed=seeds[m],
                             offset=offsets[m] + (e * d + start) * row_lengths[m],
-                            row_length=row_lengths[m], stochastic_rounding=stochastic_rounding,
-                            row_sq=None if row_sq is None else row_sq[e, start:start + chunk_rows])
+                            row_length=row_lengths[m], stochastic_rounding=stochastic_rounding)
                 del h  # before the next chunk's: one chunk of FP32 at a time
-    if shared is not None:
-        sq_norms.copy_(pairwise_sums(shared))
-    elif sq_norms is not None:
-        for m, row_sq in enumerate(row_sqs):
+                if row_sq is not None:  # the rows still in cache
+                    row_sq[e, start:start + chunk_rows] = pairwise_sums(rows, square=True)
+        if sq_norms is not None:
             sq_norms[m] = pairwise_sums(row_sq)
 
 
