@@ -549,7 +549,8 @@ def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None = Non
     ``C^T C`` in float64, 8kr + 16r^2, beside a float64 chunk of C's rows:
     :func:`rgc.ops.reference.sketch_stats_bytes`); the update (4kr plus
     :data:`UPDATE_BYTES_PER_CHUNK_ELEMENT` per chunk element, and on the reference 4d per
-    matrix for the sums of its rows' squares); regenerating P after the step (about 8kr for BF16 weights, 16kr for FP32, 20kr when k < 4r; the reference regenerates
+    matrix for the sums of its rows' squares); regenerating P after the step (about 8kr
+    for BF16 weights, 16kr for FP32, 20kr when k < 4r; the reference regenerates
     ``projections`` of this shape, those of every target with this k, in chunks of
     :func:`rgc.ops.reference.projection_chunk`, with their G at once: 16kr per projection of
     a chunk while G is generated).
