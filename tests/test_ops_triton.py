@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 pytest.importorskip("triton")
 
 import rgc  # noqa: E402
+from rgc.bits import mix32, seed_words  # noqa: E402
 from rgc.ops import reference as R  # noqa: E402
 from rgc.ops import triton_buffers  # noqa: E402
-from rgc.rounding import mix32, seed_words  # noqa: E402
 from tests.bf16_checks import MAX_MISMATCH, assert_close_bf16, bits16  # noqa: E402
 from tests.launches import CountLaunches  # noqa: E402
 
@@ -54,7 +54,7 @@ M32 = 0xFFFFFFFF
 
 
 def hash_bits(n: torch.Tensor, seed: int, label: str = "stochastic-round") -> torch.Tensor:
-    """The convention of rgc.rounding stated on int64 flat indices ``n`` (any shape)."""
+    """The convention of rgc.bits stated on int64 flat indices ``n`` (any shape)."""
     s_lo, s_hi = seed_words(seed, label)
     return mix32(mix32((n & M32) ^ s_lo) ^ (((n >> 32) + s_hi) & M32))
 

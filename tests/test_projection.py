@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 
 import rgc
 from rgc import PROJECTION_KINDS, make_projection, ops
+from rgc.bits import random_bits
 from rgc.ops import reference
 from rgc.projection import advance_projections
-from rgc.rounding import random_bits
 from tests.host_reads import CountHostReads
 
 

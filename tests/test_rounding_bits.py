@@ -8,8 +8,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rgc.bits import random_bits, seed_words
 from rgc.ops import reference
-from rgc.rounding import random_bits, random_words, seed_words, stochastic_round
+from rgc.rounding import random_words, stochastic_round
 
 M32 = 0xFFFFFFFF
 

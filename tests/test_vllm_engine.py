@@ -169,7 +169,7 @@ def test_cpu_loops_compile_beside_vllm():
     as the int64 statement of the rule does: add the low 16 hash bits, keep the upper half."""
     import warnings
 
-    from rgc.rounding import random_bits
+    from rgc.bits import random_bits
 
     x = torch.randn(1000, generator=torch.Generator().manual_seed(1))
     out = torch.empty(1000, dtype=torch.bfloat16)

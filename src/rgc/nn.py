@@ -78,6 +78,7 @@ class CompressedLinear(SketchedModule, SketchedWeight, nn.Linear):
         return self.weight.unsqueeze(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ensure_materialised()
         if torch.is_grad_enabled() and self.weight.requires_grad:
             return SketchedLinearFunction.apply(x, self.weight, self.bias, self.projection,
                                                 self._sketch_slot, self.compute_dtype)
@@ -85,6 +86,9 @@ class CompressedLinear(SketchedModule, SketchedWeight, nn.Linear):
 
     def owners_by_attribute(self) -> dict:
         return {"weight": self}
+
+    def _set_projection_buffer(self, projection: torch.Tensor) -> None:
+        self.projection = projection
 
     def __getstate__(self):
         state = super().__getstate__()

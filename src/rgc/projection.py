@@ -1,6 +1,6 @@
 """Random projections ``P`` (k x r) with ``E[P P^T] = I``, generated on the device that uses them.
 
-The random numbers are counter-based: the hash words of :mod:`rgc.rounding` at fixed indices,
+The random numbers are counter-based: the hash words of :mod:`rgc.bits` at fixed indices,
 keyed by the seed and a stream label, so no generator state is involved and every device
 computes the same words. What follows from them is floating-point work on the target device
 through the operators of :mod:`rgc.ops` (nothing is computed on the CPU and copied, nothing

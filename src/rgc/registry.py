@@ -20,33 +20,49 @@ import torch.nn as nn
 #: Dtypes of the weights rgc trains from sketches.
 SUPPORTED_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
 
-# id(weight) -> (weakref to weight, weakref to its owner). Keyed by id because tensors compare
-# elementwise, which rules out a WeakKeyDictionary.
-_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+# id(weight) -> weak reference to its owner. Keyed by id because tensors compare elementwise
+# (no WeakKeyDictionary), and never holding a weak reference to the weight itself: torch's
+# parameter swap (``torch.utils.swap_tensors``, used by FSDP2 and ``nn.Module._apply``) refuses
+# tensors that have one. A lookup checks that the owner's current weight is the tensor asked
+# about, so an id reused by another tensor never matches; each owner holds one entry, moved
+# when its weight is replaced.
+_OWNERS: dict[int, weakref.ref] = {}
 
 
 def register_owner(weight: torch.Tensor, owner) -> None:
-    """Record that ``owner`` sketches ``weight`` (both held weakly)."""
+    """Record that ``owner`` sketches ``weight`` (the owner held weakly, the weight not at all;
+    ``owner.weight`` must be ``weight``)."""
     key = id(weight)
-    entry = _OWNERS.get(key)
-    if entry is not None and entry[0]() is weight and entry[1]() is owner:
+    previous = getattr(owner, "_registry_key", None)
+    if previous is not None and previous != key:
+        unregister_owner_key(previous, owner)
+    ref = _OWNERS.get(key)
+    if ref is not None and ref() is owner:
         return
-    _OWNERS[key] = (weakref.ref(weight, lambda _: _OWNERS.pop(key, None)), weakref.ref(owner))
+    _OWNERS[key] = weakref.ref(owner, lambda r: _OWNERS.pop(key) if _OWNERS.get(key) is r
+                               else None)
+    owner._registry_key = key
+
+
+def unregister_owner_key(key: int, owner) -> None:
+    """Drop the entry ``key`` if it belongs to ``owner``."""
+    ref = _OWNERS.get(key)
+    if ref is not None and ref() is owner:
+        del _OWNERS[key]
 
 
 def unregister_owner(weight: torch.Tensor, owner) -> None:
     """Forget that ``owner`` sketches ``weight`` (a no-op if another owner took its place)."""
-    entry = _OWNERS.get(id(weight))
-    if entry is not None and entry[0]() is weight and entry[1]() is owner:
-        del _OWNERS[id(weight)]
+    unregister_owner_key(id(weight), owner)
 
 
 def sketched_owner_of(param: torch.Tensor):
     """The owner (a :class:`rgc.sketched.SketchedWeight`) whose weight is ``param``, or ``None``."""
-    entry = _OWNERS.get(id(param))
-    if entry is None or entry[0]() is not param:
+    ref = _OWNERS.get(id(param))
+    owner = ref() if ref is not None else None
+    if owner is None or owner.weight is not param:
         return None
-    return entry[1]()
+    return owner
 
 
 class SketchedModule(nn.Module):
@@ -59,6 +75,11 @@ class SketchedModule(nn.Module):
     Parameter the optimizer was given; ``.to()``/``.cuda()`` re-register the weights, move the
     sketch slots, and after a cast regenerate ``P`` in the new dtype: ``P`` is a function of
     (seed, version, dtype), so a resumed run, which regenerates it, uses the same bits.
+
+    A module wrapped on the meta device gets its ``P`` made from its seed when it is
+    materialised (``to_empty``, FSDP2's sharding then ``to_empty``), or at its first forward if
+    its weights were given otherwise (``load_state_dict(..., assign=True)``): never read from
+    uninitialised memory.
     """
 
     def owners_by_attribute(self) -> dict:
@@ -74,15 +95,19 @@ class SketchedModule(nn.Module):
 
     def _apply(self, fn, recurse=True):
         owners = self.owners_by_attribute()
-        dtypes = {name: owner.weight.dtype for name, owner in owners.items()}
+        before = {name: (owner.weight.dtype, owner.projection.is_meta)
+                  for name, owner in owners.items()}
         super()._apply(fn, recurse)
         for name, owner in owners.items():
             owner._register()
             slot = getattr(owner, "_sketch_slot", None)
             if slot is not None and slot.device != owner.weight.device:
                 owner._new_sketch_slot()
-            projection = getattr(owner, "projection", None)
-            if (owner.weight.dtype != dtypes[name] and projection is not None
-                    and projection.device.type != "meta"):
+            dtype, was_meta = before[name]
+            if owner.projection.is_meta:
+                continue
+            if was_meta:  # materialised (to_empty): the buffer holds whatever memory it got
+                owner.materialise_projection()
+            elif owner.weight.dtype != dtype:
                 owner.set_projection_version(owner.projection_version)
         return self

@@ -6,10 +6,8 @@ weights, and a receiver of a sync payload can reproduce the trainer's rounding e
 
 Bit convention (public, shared by every kernel of :mod:`rgc.ops`):
 
-* ``s_lo, s_hi = seed_words(seed)`` are two 32-bit words derived from the 64-bit seed;
-* for flat element index ``n = offset + i`` with 32-bit halves ``n_lo, n_hi``,
-  ``bits = mix32(mix32(n_lo ^ s_lo) ^ ((n_hi + s_hi) mod 2**32))``, where ``mix32`` is the
-  "lowbias32" integer hash (xorshift-multiply, constants 0x7FEB352D and 0x846CA68B);
+* ``bits`` of flat element index ``n = offset + i`` are those of :mod:`rgc.bits`
+  (``random_bits(numel, seed=seed, offset=offset)``, label ``"stochastic-round"``);
 * the low 16 bits of ``bits`` are added to the FP32 bit pattern, which is then truncated to
   its upper 16 bits. A value a fraction ``f`` of the way from one BF16 neighbour to the next
   therefore rounds up with probability ``f`` (to a resolution of 2**-16): unbiased.
@@ -19,7 +17,7 @@ and every BF16-representable value (+-0, subnormals, BF16 max) are unchanged. A 
 value above the largest BF16 number may round to inf.
 
 The operator :func:`rgc.ops.stochastic_round_` implements it (its torch reference and its
-Triton kernel give the same bits); :func:`random_bits` is the plain int64 statement of the
+Triton kernel give the same bits); :func:`rgc.bits.random_bits` is the plain int64 statement of the
 hash that the tests hold them to.
 """
 
@@ -29,57 +27,13 @@ import numbers
 
 import torch
 
-from rgc.seeding import derive_seed
-
-_M32 = 0xFFFFFFFF
-MIX32_MUL1 = 0x7FEB352D
-MIX32_MUL2 = 0x846CA68B
-
-
-def seed_words(seed: int, label: str = "stochastic-round") -> tuple[int, int]:
-    """The two 32-bit words ``(s_lo, s_hi)`` that key the hash for ``seed``.
-
-    ``label`` separates independent streams of one seed: ``"stochastic-round"`` (the default)
-    keys the rounding bits; :mod:`rgc.projection` uses its own labels.
-    """
-    h = derive_seed(seed, label)
-    return h & _M32, (h >> 31) & _M32
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    # (x * c) mod 2**32 for int64 x in [0, 2**32), without int64 overflow.
-    lo = x * (c & 0xFFFF)
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & _M32
-
-
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 hash of int64 tensor values in ``[0, 2**32)``; returns the same range."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, MIX32_MUL1)
-    x = x ^ (x >> 15)
-    x = _mul32(x, MIX32_MUL2)
-    return x ^ (x >> 16)
-
-
-def random_bits(numel: int, *, seed: int, offset: int = 0, device=None,
-                label: str = "stochastic-round") -> torch.Tensor:
-    """The 32 hash bits (int64 in ``[0, 2**32)``) for flat indices ``offset .. offset+numel-1``.
-
-    The plain statement of the convention (int64 arithmetic); the fast paths below give the
-    same bits.
-    """
-    s_lo, s_hi = seed_words(seed, label)
-    n = torch.arange(offset, offset + numel, dtype=torch.int64, device=device)
-    return mix32(mix32((n & _M32) ^ s_lo) ^ (((n >> 32) + s_hi) & _M32))
+from rgc import ops
 
 
 def random_words(numel: int, *, seed: int, label: str, offset: int = 0,
                  device=None) -> torch.Tensor:
-    """:func:`random_bits` as an int32 tensor of the same 32-bit patterns, computed fast
+    """:func:`rgc.bits.random_bits` as an int32 tensor of the same 32-bit patterns, computed fast
     (:func:`rgc.ops.random_words`)."""
-    from rgc import ops
-
     device = torch.device("cpu") if device is None else torch.device(device)
     return ops.random_words(numel, seed, label, offset, device)
 
@@ -95,8 +49,6 @@ def stochastic_round_(out: torch.Tensor, x: torch.Tensor, *, seed: int,
 
     Nothing here reads a tensor value on the host (no device synchronisation).
     """
-    from rgc import ops
-
     if out.dtype != torch.bfloat16:
         raise TypeError(f"stochastic_round_ writes into a bfloat16 tensor, got {out.dtype}")
     if not x.is_floating_point():

@@ -121,6 +121,31 @@ class SketchedWeight:
         if renew_sketch_slot:
             self._new_sketch_slot()
 
+    def materialise_projection(self) -> None:
+        """Make ``P`` from its seed and version on the weight's device (in place when the
+        buffer is already there, as after ``to_empty``; a new buffer when it is still a meta
+        tensor) and a new sketch slot. RuntimeError if the result is not finite."""
+        if self.projection.is_meta:
+            self._set_projection_buffer(self._make_projection())
+        else:
+            make_projection(self.projection_kind, self.in_features, self.rank,
+                            seed=self.projection_seed, out=self.projection)
+        if not bool(torch.isfinite(self.projection).all()):  # once, at materialisation
+            raise RuntimeError(
+                f"the projection made for a sketched weight {tuple(self.weight.shape)} is not "
+                f"finite (seed {self.seed}, version {self.projection_version}, "
+                f"{self.projection.dtype}): report it, with these numbers")
+        self._new_sketch_slot()
+
+    def ensure_materialised(self) -> None:
+        """Before a forward: make ``P`` if it is still a meta tensor while the weight is not
+        (a model wrapped on the meta device whose weights were assigned, not materialised)."""
+        if self.projection.is_meta and not self.weight.is_meta:
+            self.materialise_projection()
+
+    def _set_projection_buffer(self, projection: torch.Tensor) -> None:
+        raise NotImplementedError
+
     def _new_sketch_slot(self) -> None:
         """A fresh sketch slot: an FP32 leaf of :attr:`sketch_shape` with zero strides."""
         shape = self.sketch_shape

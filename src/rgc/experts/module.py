@@ -118,6 +118,9 @@ class ExpertWeight(SketchedWeight):
     def sketch_shape(self) -> tuple[int, int, int]:
         return (self.num_matrices, self.out_features, self.rank)
 
+    def _set_projection_buffer(self, projection: torch.Tensor) -> None:
+        setattr(self.module, _projection_buffer(self.name), projection)
+
     def weight_matrices(self) -> torch.Tensor:
         """The weight as ``[E, d, k]`` (the transposed view of ``[E, k, d]`` storage)."""
         return _matrices(self.module, self.name)
@@ -172,6 +175,8 @@ class SketchedExperts(SketchedModule):
     _rgc_base: type
 
     def forward(self, hidden_states, *args, **kwargs):
+        for owner in self.rgc_owners.values():
+            owner.ensure_materialised()
         if not torch.is_grad_enabled() or not any(
                 o.weight.requires_grad for o in self.rgc_owners.values()):
             return super().forward(hidden_states, *args, **kwargs)

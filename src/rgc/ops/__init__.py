@@ -158,7 +158,7 @@ def stochastic_round_(out: Tensor, x: Tensor, seed: int, offset: int) -> None:
 def random_words(numel: int, seed: int, label: str, offset: int,
                  device: torch.device) -> Tensor:
     """The hash words of flat indices ``offset .. offset + numel - 1`` (int32 patterns) for
-    ``(seed, label)``: :func:`rgc.rounding.random_bits` reinterpreted as int32."""
+    ``(seed, label)``: :func:`rgc.bits.random_bits` reinterpreted as int32."""
     return torch.empty(numel, dtype=torch.int32, device=device)
 
 

@@ -11,7 +11,7 @@ norm the CPU computes). Everything else, the GEMMs and the factorisations, is ea
 Stacks: a sketched weight is handled as ``[E, d, k]`` (``E = 1`` for a 2-D weight), its
 sketch ``[E, d, r]`` FP32, its projection ``P`` ``[k, r]``; element ``(e, i, j)`` of stack
 ``m`` takes the rounding bits of flat index ``offsets[m] + (e d + i) row_lengths[m] + j``
-(:mod:`rgc.rounding` states the bit convention).
+(:mod:`rgc.bits` states the bit convention).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import warnings
 import torch
 from torch.utils import _python_dispatch
 
-from rgc.rounding import MIX32_MUL1, MIX32_MUL2, seed_words
+from rgc.bits import MIX32_MUL1, MIX32_MUL2, seed_words
 
 _M32 = 0xFFFFFFFF
 # Elements per hash call: the low index word wraps at most once inside one call.
@@ -370,7 +370,7 @@ def _segments(numel: int, offset: int, words: tuple[int, int]):
 
 def random_words(numel: int, seed: int, label: str, offset: int = 0,
                  device=None) -> torch.Tensor:
-    """The hash words of :func:`rgc.rounding.random_bits` as int32 patterns, ``[numel]``."""
+    """The hash words of :func:`rgc.bits.random_bits` as int32 patterns, ``[numel]``."""
     device = torch.device("cpu") if device is None else torch.device(device)
     out = torch.empty(numel, dtype=torch.int32, device=device)
     run = _int32_loop(_hash_words, device)
@@ -381,7 +381,7 @@ def random_words(numel: int, seed: int, label: str, offset: int = 0,
 
 def stochastic_round_(out: torch.Tensor, x: torch.Tensor, seed: int, offset: int) -> None:
     """``out <- BF16(x)`` rounded stochastically: element ``i`` of ``x.flatten()`` with the
-    hash bits of flat index ``offset + i`` (the convention of :mod:`rgc.rounding`).
+    hash bits of flat index ``offset + i`` (the convention of :mod:`rgc.bits`).
 
     out: BF16 of ``x``'s shape and device (any strides); x: floating point (made FP32 first).
     """

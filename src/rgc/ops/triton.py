@@ -34,9 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
+from rgc.bits import MIX32_MUL1, MIX32_MUL2, seed_words
 from rgc.ops import reference, triton_buffers
 from rgc.ops.reference import BM, GAUSSIAN_LABEL, SQRT2_BITS, one_pass
-from rgc.rounding import MIX32_MUL1, MIX32_MUL2, seed_words
 
 try:
     INTERPRETED = bool(triton.knobs.runtime.interpret)
