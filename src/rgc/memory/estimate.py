@@ -533,14 +533,12 @@ def _refresh_temp(k: int, r: int, weight_itemsize: int = 2, implementation: str 
     return reference.make_projections_bytes(k, r, weight_itemsize != 2, projections)
 
 
-def _update_temp(d: int, k: int, r: int, chunk_rows: int | None, implementation: str,
-                 experts: int = 1) -> int:
-    # an FP32 copy of P plus the chunk of H and the scaled chunk of C (none on the Triton
-    # kernel); the reference also keeps each row's sum of squares of the stack (FP32)
+def _update_temp(d: int, k: int, r: int, chunk_rows: int | None, implementation: str) -> int:
+    # an FP32 copy of P plus the chunk of H and the scaled chunk of C (none on the Triton kernel)
     if implementation == "triton":
         return 4 * k * r
     rows = min(resolve_chunk_rows(chunk_rows, k), d)
-    return 4 * k * r + rows * (k * UPDATE_BYTES_PER_CHUNK_ELEMENT + 4 * r) + 4 * experts * d
+    return 4 * k * r + rows * (k * UPDATE_BYTES_PER_CHUNK_ELEMENT + 4 * r)
 
 
 def _norm_temp(d: int, k: int, r: int, experts: int = 1, implementation: str = "torch") -> int:
@@ -557,8 +555,7 @@ def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None = Non
 
     The largest of: ``||H||`` from the Grams and the finiteness of C (the reference: P,
     ``P^T P`` and ``C^T C`` in float64, 8kr + 16r^2, beside a float64 chunk of C's rows); the
-    update (4kr plus :data:`UPDATE_BYTES_PER_CHUNK_ELEMENT` per chunk element, and on the
-    reference 4d per matrix for the sums of its rows' squares); regenerating
+    update (4kr plus :data:`UPDATE_BYTES_PER_CHUNK_ELEMENT` per chunk element); regenerating
     P after the step: the ``projections`` of this shape (those of every target with this k)
     in one call, in chunks. The first and the last are the ops' own counts of their buffers:
     ``sketch_stats_bytes`` and ``make_projections_bytes`` of :mod:`rgc.ops.reference`
@@ -569,7 +566,7 @@ def rgc_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None = Non
     """
     return UPDATE_SCALAR_BYTES + max(
         _norm_temp(d, k, r, experts, implementation),
-        _update_temp(d, k, r, chunk_rows, implementation, experts),
+        _update_temp(d, k, r, chunk_rows, implementation),
         _refresh_temp(k, r, weight_itemsize, implementation, projections))
 
 
@@ -595,7 +592,7 @@ def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None =
     carry = max(16 * k * r + 16 * r * r, 8 * k * r + 12 * r * r + 4 * dr)
     return UPDATE_SCALAR_BYTES + max(
         8 * dr, _norm_temp(d, k, r, experts, implementation),
-        _update_temp(d, k, r, chunk_rows, implementation, experts),
+        _update_temp(d, k, r, chunk_rows, implementation),
         old_projections + max(_refresh_temp(k, r, weight_itemsize, implementation, projections),
                               carry))
 

@@ -149,20 +149,16 @@ def pairwise_sums(x: torch.Tensor, *, square: bool = False) -> torch.Tensor:
     if n == 0:
         return out.zero_()
     width = pairwise_width(n)
-    compiled = x.device.type == "cpu" and out.numel() * width >= PAIRWISE_COMPILED_MIN
-    run = _compiled(_halving_sums) if compiled else _halving_sums
+    if x.device.type == "cpu" and out.numel() * width >= PAIRWISE_COMPILED_MIN:
+        run, step = _compiled(_halving_sums), max(1, PAIRWISE_CHUNK // width)
+    else:  # and at most a quarter of a matrix's rows: FP32 temporaries below its BF16 size
+        quarter = x.shape[-2] // 4 if x.dim() > 1 else 1
+        run, step = _halving_sums, max(1, min(PAIRWISE_EAGER_CHUNK // width, quarter))
     rows = _rows_view(x.detach())
     blocks = [(rows, out.view(-1))] if rows is not None else [
         (x.detach()[index], out[index]) for index in itertools.product(
             *(range(size) for size in x.shape[:-2]))]
     for block, target in blocks:
-        count = block.shape[0]
-        if compiled:
-            step = max(1, PAIRWISE_CHUNK // width)
-        else:  # the block at once if it fits one call, else at most a quarter of its rows
-            # per call: FP32 temporaries below its BF16 size
-            step = max(1, PAIRWISE_EAGER_CHUNK // width)
-            step = count if count <= step else max(1, min(step, count // 4))
         for start in range(0, block.shape[0], step):
             target[start:start + step] = run(block[start:start + step], width, square)
     return out
@@ -170,12 +166,12 @@ def pairwise_sums(x: torch.Tensor, *, square: bool = False) -> torch.Tensor:
 
 def _variant(args) -> tuple:
     """What a compiled loop's graph is specialised on besides sizes: dtypes, ranks, sizes of
-    0 and 1, contiguity and inference-mode creation of the tensor arguments, the values of the
+    1, contiguity and inference-mode creation of the tensor arguments, the values of the
     other arguments (ints and bools, which the graph is traced with), and the thread's
     dispatch keys (an operator's kernel runs below autograd, a direct call does not)."""
     return (torch._C._dispatch_tls_local_include_set().raw_repr(),
             torch._C._dispatch_tls_local_exclude_set().raw_repr(),
-            *((a.dtype, a.dim(), tuple(min(n, 2) for n in a.shape), a.is_contiguous(),
+            *((a.dtype, a.dim(), tuple(n == 1 for n in a.shape), a.is_contiguous(),
                a.is_inference()) if isinstance(a, torch.Tensor) else (type(a), a)
               for a in args))
 
@@ -183,15 +179,12 @@ def _variant(args) -> tuple:
 def _isolated_dynamo():
     """The dynamo settings a loop's variant is traced under (its first call), whatever the
     user set: no duck sizing (two sizes equal at the first call must not become one symbol,
-    which a later call would fail as a guard), int arguments as constants (the variant fixes
-    them; a symbolic width left the pairwise sums' halvings with symbolic sizes, scalar code
-    3x slower than the vector loops of a constant one) and no error on a recompile (there is
-    none to expect: every variant has its own code object)."""
+    which a later call would fail as a guard) and no error on a recompile (there is none to
+    expect: every variant has its own code object)."""
     import torch.fx.experimental._config as fx_config
 
     stack = contextlib.ExitStack()
-    stack.enter_context(torch._dynamo.config.patch(error_on_recompile=False,
-                                                   specialize_int=True))
+    stack.enter_context(torch._dynamo.config.patch(error_on_recompile=False))
     stack.enter_context(fx_config.patch(use_duck_shape=False))
     return stack
 
@@ -229,11 +222,11 @@ def _compiled(fn, eager=None):
     contracts, so both give the same bits (the tests compare them), whatever the user's dynamo
     settings.
 
-    Each :func:`_variant` of the arguments is a :class:`_Loop` of its own, traced from a code
-    object of its own with sizes symbolic within it, under :func:`_isolated_dynamo`, and then
-    called directly: no call recompiles a graph, so a user's ``error_on_recompile``, a low
-    ``recompile_limit`` or many shapes never show rgc in their dynamo logs; should a call fail
-    anyway, the eager loop takes over with the same bits.
+    Each :func:`_variant` of the arguments is compiled from a code object of its own, with
+    sizes symbolic within it, traced under :func:`_isolated_dynamo`: no call recompiles a
+    graph, so a user's ``error_on_recompile``, a low ``recompile_limit`` or many shapes never
+    show rgc in their dynamo logs; should a call fail anyway, the eager loop takes over with
+    the same bits.
 
     Under a dispatch mode (rgc's memory tracker, the tests' counters), which torch.compile
     does not trace, the loop runs with the modes switched off: one opaque computation that
@@ -242,7 +235,7 @@ def _compiled(fn, eager=None):
     returns ``fn`` unchanged) ``eager`` runs, not ``fn`` on a whole chunk.
     """
     eager = fn if eager is None else eager
-    variants: dict[tuple, _Loop] = {}
+    variants: dict[tuple, object] = {}
     failed = False
 
     def compiled(args):
@@ -253,11 +246,14 @@ def _compiled(fn, eager=None):
         detached = {id(a): a.detach() for a in args if isinstance(a, torch.Tensor)}
         args = tuple(detached.get(id(a), a) for a in args)
         key = _variant(args)
-        loop = variants.get(key)
-        if loop is None:
-            loop = variants[key] = _Loop(fn)
-            return loop.trace(args)
-        return loop(args)
+        if key not in variants:
+            code = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                                      fn.__defaults__, fn.__closure__)
+            variants[key] = torch.compile(code, dynamic=True, fullgraph=True,
+                                          options=_inductor_options())
+            with _isolated_dynamo():  # its first call traces it: the settings of its guards
+                return variants[key](*args)
+        return variants[key](*args)
 
     def run(*args):
         nonlocal failed
@@ -274,80 +270,6 @@ def _compiled(fn, eager=None):
                 failed = True
         return eager(*args)
     return run
-
-
-class _Loop:
-    """One :func:`_variant` of a compiled loop: traced and compiled at its first call
-    (:meth:`trace`, which runs it), then called directly.
-
-    The graph is captured by a backend of its own that compiles it as ``torch.compile``'s
-    inductor backend does (with :func:`_inductor_options`) and keeps the compiled graph, with
-    the recipe that takes its inputs from the arguments (each graph input is named by the
-    expression dynamo read it with: an argument, or a size or stride of one). A later call runs
-    that graph on those inputs, skipping dynamo's frame evaluation and guards (~30 of the ~40
-    us a call of the ``torch.compile``d function costs): what the guards check is what the
-    variant fixes (dtypes, ranks, sizes of 0 and 1, contiguity, dispatch keys), sizes and
-    strides are symbols of the graph, and the graph asserts the sizes and strides it was
-    compiled for (inductor's ``assert_size_stride``) before it writes anything. A variant whose
-    graph cannot be called so (an input named otherwise, a result other than ``None`` or the
-    graph's one output, a call that raises) runs through the ``torch.compile``d function,
-    guards and all, from then on."""
-
-    def __init__(self, fn):
-        code = fn.__code__
-        self.params = code.co_varnames[:code.co_argcount]
-        self.globals = fn.__globals__
-        self.graph = self.inputs = None
-        self.outputs = 0
-        self.compiles = 0
-        self.guarded = torch.compile(
-            types.FunctionType(code.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
-                               fn.__closure__),
-            dynamic=True, fullgraph=True, backend=self._compile)
-
-    def trace(self, args):
-        """The first call: traces and compiles the graph (under :func:`_isolated_dynamo`, the
-        settings of its guards) and runs it; returns ``fn``'s result."""
-        with _isolated_dynamo():
-            result = self.guarded(*args)
-        if not (result is None and self.outputs == 0
-                or isinstance(result, torch.Tensor) and self.outputs == 1):
-            self.graph = None  # a result that is not the graph's one output (an argument)
-        return result
-
-    def _compile(self, gm: torch.fx.GraphModule, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
-
-        graph = compile_fx(gm, example_inputs, config_patches=_inductor_options())
-        self.compiles += 1
-        self.graph = None  # a second graph: a guard failed, the variant does not fix it
-        if self.compiles == 1:
-            try:
-                names = [_source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
-                self.inputs = eval(f"lambda L, G: ({''.join(n + ', ' for n in names)})")
-                self.outputs = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
-                self.graph = graph
-            except (AttributeError, KeyError, SyntaxError, TypeError):
-                pass
-        return graph
-
-    def __call__(self, args):
-        graph = self.graph
-        if graph is not None:
-            try:
-                out = graph(*self.inputs(dict(zip(self.params, args)), self.globals))
-            except Exception:  # noqa: BLE001  sizes or strides other than the graph's
-                self.graph = None
-            else:
-                return out[0] if self.outputs else None
-        return self.guarded(*args)
-
-
-def _source_name(node: torch.fx.Node) -> str:
-    """The expression dynamo read graph input ``node`` with (``L['x']``,
-    ``L['x'].size()[0]``, ``G['name']``)."""
-    name = node.meta["grapharg"].source.name
-    return name() if callable(name) else name  # a method in older torch versions
 
 
 def _int32_loop(fn, device: torch.device):
@@ -739,16 +661,16 @@ def _write_rows(rows: torch.Tensor, h: torch.Tensor, factor: torch.Tensor | None
             run(flat[part], words[part], factor,
                 torch.tensor(keys, dtype=torch.int32, device=rows.device))
         flat.view(torch.int16).copy_(words.view(torch.int32))  # the low 16 bits: the pattern
+        return
+    if factor is None:  # in FP32 (type promotion), without an FP32 copy of rows
+        new = torch.sub(rows, h, out=h)
     else:
-        if factor is None:  # in FP32 (type promotion), without an FP32 copy of rows
-            new = torch.sub(rows, h, out=h)
-        else:
-            new = rows.to(torch.float32).mul_(factor).sub_(h)
-        if rows.dtype != torch.bfloat16 or not stochastic_rounding:
-            rows.copy_(new)
-        else:
-            for i in range(rows.shape[0]):  # a column slice of a wider matrix: its own index
-                stochastic_round_(rows[i], new[i], seed, offset + i * row_length)
+        new = rows.to(torch.float32).mul_(factor).sub_(h)
+    if rows.dtype != torch.bfloat16 or not stochastic_rounding:
+        rows.copy_(new)
+        return
+    for i in range(rows.shape[0]):  # a column slice of a wider matrix: its own index per row
+        stochastic_round_(rows[i], new[i], seed, offset + i * row_length)
 
 
 @torch.no_grad()
@@ -768,14 +690,11 @@ def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
     factor and P are replaced by zeros (a select), so ``U P^T`` is exactly +0 and, with
     ``decay == 0``, W is stored back bit-identical (signed zeros included) even when U or P
     hold inf/NaN. ``sq_norms`` (``[M, E]`` FP32 or ``None``) is
-    overwritten with ``sum(float32(stored W)^2)`` per matrix in the reduction of
-    :func:`sum_squares`: each row's sum once its chunk is written, then the rows' sums (an
-    ``[E, d]`` FP32 temporary).
+    overwritten with ``sum(float32(stored W)^2)`` per matrix, after the stack is written (the
+    reduction of :func:`sum_squares`).
     """
     for m, (w3, u3, p) in enumerate(zip(weights, factors, projections, strict=True)):
         e_count, d, k = w3.shape
-        # each stored row's squares summed once its chunk is written, then the rows' sums
-        row_sq = None if sq_norms is None else torch.empty(e_count, d, device=w3.device)
         for e in range(e_count):
             c = coefs[m, e]
             keep = c != 0
@@ -789,10 +708,8 @@ def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
                             offset=offsets[m] + (e * d + start) * row_lengths[m],
                             row_length=row_lengths[m], stochastic_rounding=stochastic_rounding)
                 del h  # before the next chunk's: one chunk of FP32 at a time
-                if row_sq is not None:  # the rows still in cache
-                    row_sq[e, start:start + chunk_rows] = pairwise_sums(rows, square=True)
-        if sq_norms is not None:
-            sq_norms[m] = pairwise_sums(row_sq)
+    if sq_norms is not None:
+        _sq_sums_into(weights, sq_norms)
 
 
 @torch.no_grad()
