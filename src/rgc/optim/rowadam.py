@@ -106,7 +106,7 @@ class RowAdam(SketchOptimizer):
         steps = self._applied_updates(entries, active)
         exp_avgs, exp_avg_sqs = zip(*(self._row_moments(e.state, s, e.param.dim() == 2)
                                       for e, s in zip(entries, sketches, strict=True)))
-        return row_adam_stack(partials, sketches, list(exp_avgs), list(exp_avg_sqs), steps,
+        return row_adam_stack(sketches, list(exp_avgs), list(exp_avg_sqs), steps,
                               active, lr=group["lr"], betas=group["betas"], eps=group["eps"],
                               weight_decay=group["weight_decay"], maximize=group["maximize"])
 

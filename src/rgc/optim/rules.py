@@ -2,9 +2,10 @@
 
 As ``torch.optim.adamw.adamw`` is AdamW's arithmetic for the ``AdamW`` class, each function
 here is one rule's arithmetic for a *stack*: M sketched weights of one shape and param group,
-each a stack of E matrices (E = 1 for a 2-D weight; an expert stack has E > 1). It takes the
-weights' :class:`Partials` (sums over their elements, already summed over the ranks that hold
-rows of them) and their state tensors, and returns a :class:`Proposal`: the factors whose
+each a stack of E matrices (E = 1 for a 2-D weight; an expert stack has E > 1). It takes what
+it reads of the weights' :class:`Partials` (sums over their elements, already summed over the
+ranks that hold rows of them; RowAdam only the matrices they make active) and their state
+tensors, and returns a :class:`Proposal`: the factors whose
 product with ``P^T`` is the direction, and ``[M, E]`` coefficients. The optimizer class
 collects the tensors, calls the function and hands the proposal to the step pipeline
 (:mod:`rgc.optim.base`), which turns it into one :class:`rgc.updates.StackUpdate`.
@@ -160,8 +161,8 @@ def adam_coefs(lr, weight_decay: float, ok: torch.Tensor
     return torch.where(ok, coef, 0.0), decay_coefs(lr, weight_decay, ok)
 
 
-def row_adam_stack(partials: Partials, sketches: list[torch.Tensor],
-                   exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
+def row_adam_stack(sketches: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                   exp_avg_sqs: list[torch.Tensor],
                    steps: torch.Tensor, active: torch.Tensor, *, lr, betas: tuple[float, float],
                    eps: float, weight_decay: float, maximize: bool) -> Proposal:
     """RowAdam's update of a stack (LoGRA's rule), moments updated in place::
@@ -173,10 +174,9 @@ def row_adam_stack(partials: Partials, sketches: list[torch.Tensor],
     ``sketches``: ``[E, d, r]`` FP32 each, overwritten with ``U`` (the factors);
     ``exp_avgs`` ``[E, d, r]`` and ``exp_avg_sqs`` ``[E, d]`` FP32 views of the moments;
     ``steps``: ``[M, E]`` int64, t counting this update; ``active``: ``[M, E]`` bool, the
-    matrices whose moments move (see :func:`rgc.ops.row_adam_`). ``partials`` is not read
-    beyond what ``active`` was made from; it is taken so that every rule has one form.
+    matrices whose moments move (from the partial sums: a finite sketch, and for experts a
+    non-zero one; see :func:`rgc.ops.row_adam_`).
     """
-    del partials
     beta1, beta2 = betas
     ops.row_adam_(sketches, exp_avgs, exp_avg_sqs, active, steps, beta1, beta2, eps, maximize)
     coefs, decays = adam_coefs(lr, weight_decay, active)
