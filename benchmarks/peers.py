@@ -561,9 +561,9 @@ stack (``gate_up_proj``, ``down_proj``; LoRA through peft's ``target_parameters`
 frozen; dense AdamW and its BF16, 8-bit and 4-bit variants train all parameters. LoRA's peak
 includes peft's merged ``W + B A`` copy of every expert stack, formed in each forward and kept
 for backward (batch-independent; measured with peft 0.21 on BF16 experts). GaLore and APOLLO
-update 2-D weights only (n/a). FSDP2 x{SCALE_GPUS} for rgc is a prediction:
-``DistributedRGCOptimizer`` refuses FSDP2-sharded expert stacks today (data parallel only for
-experts), so these rows say what sharding the stacks would give."""
+update 2-D weights only (n/a). FSDP2 x{SCALE_GPUS} for rgc shards the
+stacks over experts (FSDP2's default, trained on CPU by ``tests/test_distributed_experts.py``);
+the per-rank estimate is not yet checked against a sharded run's measured peak."""
 
 
 def write_predictions() -> None:

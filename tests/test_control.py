@@ -199,3 +199,19 @@ def test_missing_probe_and_unsupported_attention_are_clear_errors():
         rgc.PredictedKL(2e-4, 2e-5)
     with pytest.raises(ValueError, match="budget"):
         rgc.PredictedKL(-1.0, None)
+
+
+@pytest.mark.parametrize("opt_cls", [rgc.RGCOptimizer, rgc.RowAdam])
+def test_step_control_refuses_trainable_expert_stacks_at_construction(opt_cls):
+    """The predicted KL needs each sketched layer's forward-mode tangent, which the sketched
+    experts forward does not give: refused when the optimizer is built, and served once the
+    experts are frozen."""
+    from tests.models import tiny_moe
+
+    model = rgc.wrap(tiny_moe("qwen3_moe", dtype=torch.bfloat16, layers=1), 4, seed=3)
+    with pytest.raises(NotImplementedError, match="stacks of experts.*freeze them"):
+        opt_cls(model.parameters(), lr=1e-3, step_control=rgc.PredictedKL())
+    for p in model.parameters():
+        if p.dim() == 3:
+            p.requires_grad_(False)
+    opt_cls(model.parameters(), lr=1e-3, step_control=rgc.PredictedKL())

@@ -48,6 +48,7 @@ from rgc.optim.base import Entry
 from rgc.optim.comm import Local
 from rgc.optim.rgc import RGCOptimizer
 from rgc.optim.rowadam import RowAdam
+from rgc.optim.rules import Partials
 from rgc.payload import FINGERPRINT_MODULUS, KeptUpdate, fingerprint_tensor
 from rgc.registry import sketched_owner_of
 from rgc.seeding import derive_seed
@@ -58,7 +59,7 @@ try:
 except ImportError:  # torch < 2.5
     from torch.distributed._tensor import DTensor, Shard
 
-__all__ = ["DataParallel", "DistributedRGCOptimizer", "DistributedRowAdam", "FSDP2",
+__all__ = ["DataParallel", "DistributedRGCOptimizer", "DistributedRowAdam", "ExpertShard", "FSDP2",
            "all_reduce_sketches", "check_seeds", "communication"]
 
 DEFAULT_BUCKET_MB = 25.0
@@ -383,6 +384,26 @@ class RowShard:
         setattr(self.owner, name, value)
 
 
+class ExpertShard(RowShard):
+    """The experts ``[first_row, first_row + n)`` of a sketched stack of E experts that this
+    rank holds whole (FSDP2's ``Shard(0)`` of an ``[E, d, k]`` weight), seen through the owner
+    interface: ``weight_matrices()`` is ``[n, d, k]`` (a view of the local shard),
+    ``sketch_matrices()`` ``[n, d, r]`` (the reduce-scattered, averaged sketches of those
+    experts), ``num_matrices`` is ``n`` and ``total_matrices`` E; the rest is the owner's, as
+    for :class:`RowShard`."""
+
+    def __init__(self, owner, weights: torch.Tensor, sketches: torch.Tensor, first_row: int):
+        vars(self).update(owner=owner, weights=weights, sketch_rows=sketches,
+                          first_row=first_row, num_matrices=weights.shape[0],
+                          total_matrices=owner.num_matrices)
+
+    def weight_matrices(self) -> torch.Tensor:
+        return self.weights
+
+    def sketch_matrices(self) -> torch.Tensor:
+        return self.sketch_rows
+
+
 class LocalState(MutableMapping):
     """The optimizer state of a ``Shard(0)`` parameter as this rank's rows.
 
@@ -450,7 +471,8 @@ def _reduce_scatter_rows(items: list[tuple[DTensor, object]], group, bucket_byte
     here, so that it takes the step); the bytes this rank passed to reduce-scatter are returned.
     Each bucket is a (world x width) FP32 matrix whose row i holds, per layer, a presence flag
     and the ``ceil(d / world)`` sketch rows owned by rank i (zero padded, like FSDP2's own
-    padding).
+    padding). A "row" is the sketch's first dimension: a d x r sketch's row, or an expert's
+    ``d x r`` sketch in an ``E x d x r`` stack (FSDP2 shards a stack over experts).
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -460,14 +482,14 @@ def _reduce_scatter_rows(items: list[tuple[DTensor, object]], group, bucket_byte
     for bucket in _buckets(slots, bucket_bytes, lambda s: s.numel * 4):
         n = len(bucket)
         chunks = [-(-s.shape[0] // world) for s in bucket]
-        width = n + sum(c * s.shape[1] for c, s in zip(chunks, bucket, strict=True))
+        width = n + sum(c * math.prod(s.shape[1:]) for c, s in zip(chunks, bucket, strict=True))
         inp = torch.zeros(world, width, dtype=torch.float32, device=bucket[0].device)
         offset = n
         for j, (slot, chunk) in enumerate(zip(bucket, chunks, strict=True)):
-            d, r = slot.shape
+            d, r = slot.shape[0], math.prod(slot.shape[1:])
             if slot.tensor is not None:
                 inp[:, j] = 1
-                padded = F.pad(slot.tensor, (0, 0, 0, world * chunk - d))
+                padded = F.pad(slot.tensor.reshape(d, r), (0, 0, 0, world * chunk - d))
                 inp[:, offset:offset + chunk * r] = padded.view(world, chunk * r)
             offset += chunk * r
         out = torch.empty(width, dtype=torch.float32, device=inp.device)
@@ -477,11 +499,12 @@ def _reduce_scatter_rows(items: list[tuple[DTensor, object]], group, bucket_byte
         def settle(present, bucket=bucket, chunks=chunks, out=out, n=n):
             offset = n
             for slot, chunk, here in zip(bucket, chunks, present, strict=True):
-                d, r = slot.shape
+                d, r = slot.shape[0], math.prod(slot.shape[1:])
                 rows = max(0, min(chunk, d - rank * chunk))
                 p, layer = owner_of[id(slot)]
                 if here:
-                    local[id(p)] = out[offset:offset + rows * r].view(rows, r).div_(world)
+                    local[id(p)] = out[offset:offset + rows * r].view(
+                        rows, *slot.shape[1:]).div_(world)
                     if layer.sketch is None:
                         layer.sketch = torch.zeros(slot.shape, dtype=torch.float32,
                                                    device=out.device)
@@ -622,10 +645,17 @@ class FSDP2(DataParallel):
     (every rank calls it): the factors of the row shards are all-gathered (d x r), and the
     fingerprints of the whole weights summed from each rank's share.
 
+    A stack of experts (``[E, d, k]``, sketch ``E x d x r``) sharded by FSDP2's default
+    ``Shard(0)`` gives each rank whole experts: its sketches are reduce-scattered over experts
+    (each rank receives the ``n x d x r`` of its own), and the rule runs on those experts
+    (an :class:`ExpertShard` view), whose partial sums are complete on the rank; the sums of
+    all E matrices that ``expert_norm='stack'`` and clipping read are exchanged in the same
+    one all-reduce (:attr:`rgc.optim.rules.Partials.whole`). Nothing ``E x d x k`` is
+    gathered: an expert's update is written where its rows live, with the rounding offset
+    ``first_expert * d * k``.
+
     Not supported (raise when attached): 2-D meshes (HSDP, tensor parallel) and placements
-    other than ``Shard(0)``; FSDP2-sharded stacks of experts (their sketches are ``E x d x r``
-    and ``fully_shard`` gives each rank whole experts: keep the experts' weights whole with
-    ``fully_shard(..., ignored_params=...)``, and they are averaged as in data parallel).
+    other than ``Shard(0)``.
     """
 
     def __init__(self, group=None, bucket_mb: float = DEFAULT_BUCKET_MB):
@@ -643,13 +673,6 @@ class FSDP2(DataParallel):
         for p in sharded:
             _check_sharded(p)
             owner = sketched_owner_of(p)
-            if owner is not None and owner.num_matrices > 1:
-                raise NotImplementedError(
-                    f"a sketched stack of {owner.num_matrices} experts {tuple(p.shape)} is "
-                    f"sharded by FSDP2 (fully_shard); {type(optimizer).__name__} updates row "
-                    "shards of 2-D weights and whole expert stacks: keep the experts' weights "
-                    "whole with fully_shard(module, ignored_params={...}) (they are then "
-                    "averaged as in data parallel), or train them on one process")
             if optimizer.step_control is not None and owner is None and p.requires_grad:
                 raise NotImplementedError(
                     f"step_control under FSDP2 needs every trainable sharded parameter to be "
@@ -683,9 +706,12 @@ class FSDP2(DataParallel):
         if not isinstance(p, DTensor):
             return entry
         first_row, _ = _row_range(p)
-        local = p.to_local()  # a view of this rank's rows
+        local = p.to_local()  # a view of this rank's rows (whole experts of a stack)
         view = None
-        if owner is not None:
+        if owner is not None and owner.num_matrices > 1:
+            matrices = local.transpose(1, 2) if getattr(owner, "transposed", False) else local
+            view = ExpertShard(owner, matrices, exchanged.pop(id(p)), first_row)
+        elif owner is not None:
             view = RowShard(owner, local, exchanged.pop(id(p)), first_row)
         else:
             local.grad = p.grad.to_local()
@@ -695,27 +721,49 @@ class FSDP2(DataParallel):
         return shard
 
     def reduce(self, measured) -> None:
-        """Sum the row shards' partial sums over the mesh: one all-reduce, in parameter order
-        (the same on every rank, whatever the grouping by local shape)."""
-        rows = sorted(((e.index, partials, m) for entries, partials in measured
+        """Complete this rank's partial sums over the mesh: one all-reduce, in parameter order
+        (the same on every rank, whatever the grouping by local shape).
+
+        A row shard's sums are summed over the ranks. An expert shard's are complete (its
+        experts are whole here); each rank puts them at its experts' positions in zeros for
+        all E, so that the sum holds every expert's, bit for bit (adding zeros is exact): they
+        become ``partials.whole`` of the stack group."""
+        rows = sorted(((e.index, partials, m, e) for entries, partials in measured
                        for m, e in enumerate(entries) if isinstance(e, ShardEntry)),
                       key=lambda row: row[0])
         if not rows or not _is_active(self.mesh_group):
             return
-        names = [sorted(partials.sums) for _, partials, _ in rows]
-        flat = torch.cat([t for (_, partials, m), row_names in zip(rows, names, strict=True)
-                          for t in [(~partials.finite[m]).to(torch.float32),
-                                    *(partials[name][m] for name in row_names)]])
+        names = [sorted(partials.sums) for _, partials, _, _ in rows]
+        segments = []
+        for (_, partials, m, e), row_names in zip(rows, names, strict=True):
+            values = [(~partials.finite[m]).to(torch.float32),
+                      *(partials[name][m] for name in row_names)]
+            if isinstance(e.owner, ExpertShard):
+                first, total = e.owner.first_row, e.owner.total_matrices
+                values = [F.pad(v, (first, total - first - v.shape[0])) for v in values]
+            segments += values
+        flat = torch.cat(segments)
         dist.all_reduce(flat, group=self.mesh_group)
         self.last_comm_bytes += flat.numel() * flat.element_size()
+        wholes: dict[int, tuple[Partials, dict[int, list]]] = {}
         offset = 0
-        for (_, partials, m), row_names in zip(rows, names, strict=True):
-            width = partials.finite.shape[1]
-            partials.finite[m] = flat[offset:offset + width] == 0  # no rank saw a non-finite
-            offset += width
-            for name in row_names:
-                partials[name][m] = flat[offset:offset + width]
-                offset += width
+        for (_, partials, m, e), row_names in zip(rows, names, strict=True):
+            experts = isinstance(e.owner, ExpertShard)
+            width = e.owner.total_matrices if experts else partials.finite.shape[1]
+            values = [flat[offset + j * width:offset + (j + 1) * width]
+                      for j in range(1 + len(row_names))]
+            offset += width * (1 + len(row_names))
+            if experts:
+                wholes.setdefault(id(partials), (partials, {}))[1][m] = values
+                continue
+            partials.finite[m] = values[0] == 0  # no rank saw a non-finite value
+            for name, value in zip(row_names, values[1:], strict=True):
+                partials[name][m] = value
+        for partials, by_member in wholes.values():
+            stacked = [torch.stack(column) for column in
+                       zip(*(by_member[m] for m in range(len(by_member))), strict=True)]
+            partials.whole = Partials(stacked[0] == 0,
+                                      dict(zip(sorted(partials.sums), stacked[1:], strict=True)))
 
     def keeps_weight_norm(self, entry) -> bool:
         # a row shard's ||W||^2 is this rank's partial sum: recomputed from the rows each step
@@ -731,10 +779,37 @@ class FSDP2(DataParallel):
                          if id(u.param) in self._shards), key=lambda s: s[0].index)
         if not shards:
             return updates
-        whole = self._gathered([(updates[i].factor, e) for e, i in shards])
+        whole = self._of_whole([(updates[i], e) for e, i in shards])
         out = list(updates)
-        for (e, i), factor in zip(shards, whole, strict=True):
-            out[i] = _of_whole(updates[i], e, factor)
+        for (_, i), update in zip(shards, whole, strict=True):
+            out[i] = update
+        return out
+
+    def _of_whole(self, shares: list[tuple], *, export: bool = False) -> list:
+        """The updates of whole parameters from this rank's ``(update, ShardEntry)`` shares,
+        in the same order on every rank: the row shards' factors (d x r) or dense directions,
+        and the expert shards' factors (E x d x r) with their per-expert coefficients,
+        all-gathered (one bucketed gather)."""
+        values = [(u.factor if isinstance(u, LowRankUpdate) else u.direction, e)
+                  for u, e in shares]
+        experts = [(u, e) for u, e in shares if isinstance(e.owner, ExpertShard)]
+        values += [(torch.stack([torch.as_tensor(x, dtype=torch.float32, device=u.factor.device)
+                                 .expand(u.factor.shape[0]) for x in (u.coef, u.decay, u.active)],
+                                dim=1), e) for u, e in experts]
+        whole = self._gathered(values, export=export)
+        scalars = iter(whole[len(shares):])
+        out = []
+        for (u, e), value in zip(shares, whole[:len(shares)], strict=True):
+            if isinstance(u, DenseUpdate):
+                out.append(dataclasses.replace(u, param=e.whole, direction=value, offset=0))
+                continue
+            update = dataclasses.replace(u, param=e.whole, layer=e.owner.owner, factor=value)
+            if isinstance(e.owner, ExpertShard):
+                coef, decay, active = next(scalars).unbind(1)
+                update.coef, update.active = coef, active != 0
+                if torch.is_tensor(u.decay) or u.decay != 0:
+                    update.decay = decay
+            out.append(update)
         return out
 
     def _gathered(self, items: list[tuple[torch.Tensor, ShardEntry]], *,
@@ -781,30 +856,16 @@ class FSDP2(DataParallel):
                         key=lambda r: r.entry.index)
         if not shards:
             return out
-        values = [r.update.factor if isinstance(r.update, LowRankUpdate) else r.update.direction
-                  for r in shards]
-        whole = self._gathered([(v, r.entry) for v, r in zip(values, shards, strict=True)],
-                               export=True)
+        whole = self._of_whole([(r.update, r.entry) for r in shards], export=True)
         shares = torch.stack([torch.stack([r.base_share for r in shards]), torch.stack(
             [fingerprint_tensor(r.entry.param, r.entry.offset) for r in shards])])
         if _is_active(self.mesh_group):
             dist.all_reduce(shares, group=self.mesh_group)
             self.last_export_bytes += shares.numel() * shares.element_size()
         shares = shares % FINGERPRINT_MODULUS
-        for r, value, base, result in zip(shards, whole, shares[0], shares[1], strict=True):
-            out.append(KeptUpdate(_of_whole(r.update, r.entry, value), base, r.projection_seed,
-                                  result))
+        for r, update, base, result in zip(shards, whole, shares[0], shares[1], strict=True):
+            out.append(KeptUpdate(update, base, r.projection_seed, result))
         return out
-
-
-def _of_whole(update: LowRankUpdate | DenseUpdate, entry: ShardEntry,
-              value: torch.Tensor) -> LowRankUpdate | DenseUpdate:
-    """A row shard's update as the update of the whole parameter, ``value`` being the
-    gathered factor (d x r) or dense direction."""
-    if isinstance(update, LowRankUpdate):
-        return dataclasses.replace(update, param=entry.whole, layer=entry.owner.owner,
-                                   factor=value)
-    return dataclasses.replace(update, param=entry.whole, direction=value, offset=0)
 
 
 def communication(params, group=None, bucket_mb: float = DEFAULT_BUCKET_MB) -> DataParallel:

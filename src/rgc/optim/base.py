@@ -131,6 +131,20 @@ INT_STATE_KEYS = ("step", "skipped", "layer_seed", "projection_version")
 STEPS_KEY = "rgc_steps_taken"
 
 
+def _check_step_control_serves(param_groups: list[dict]) -> None:
+    """NotImplementedError for a trainable stack of experts: a step controller predicts the
+    KL from the forward-mode tangent of each sketched linear layer's output, which an expert
+    stack (routed tokens, one matrix per expert) does not provide."""
+    stacks = [tuple(p.shape) for g in param_groups for p in g["params"] if p.requires_grad
+              and (o := sketched_owner_of(p)) is not None and o.num_matrices > 1]
+    if stacks:
+        raise NotImplementedError(
+            f"step_control does not serve stacks of experts ({len(stacks)} trainable, e.g. "
+            f"{stacks[0]}): the predicted KL needs the forward-mode tangent of each sketched "
+            "layer, which the sketched experts forward does not provide. Train the experts "
+            "without step_control, or freeze them (requires_grad_(False)) for this optimizer")
+
+
 class SketchOptimizer(Optimizer):
     """Base of the rgc optimizers: torch.optim's conventions around the step pipeline
     (module docstring).
@@ -193,6 +207,8 @@ class SketchOptimizer(Optimizer):
                                              and hasattr(step_control, "after_update")):
             raise TypeError("step_control must provide scale(optimizer, updates) and "
                             f"after_update(), e.g. rgc.PredictedKL; got {step_control!r}")
+        if step_control is not None:
+            _check_step_control_serves(self.param_groups)
         self.step_control = step_control
         self.keep_updates = bool(keep_updates)
         self.steps_taken = 0
@@ -339,9 +355,11 @@ class SketchOptimizer(Optimizer):
                 owner = sketched_owner_of(p)
                 if owner is not None and owner.sketch is not None:
                     entry = self.comm.view(self._entry(p, owner, group, index - 1), exchanged)
-                    o = entry.owner  # the entry's view: all of the weight, or its rows here
-                    key = (g, o.num_matrices, o.out_features, o.in_features, o.rank,
-                           entry.param.dtype, o.projection.dtype, entry.param.device)
+                    o = entry.owner  # the entry's view: all of the weight, or its share here
+                    # a view of some experts of a stack groups with views of stacks as large
+                    key = (g, o.num_matrices, getattr(o, "total_matrices", None),
+                           o.out_features, o.in_features, o.rank, entry.param.dtype,
+                           o.projection.dtype, entry.param.device)
                     stacks.setdefault(key, []).append(entry)
                 elif p.grad is not None:
                     dense.append(self.comm.view(self._entry(p, None, group, index - 1),
@@ -425,7 +443,8 @@ class SketchOptimizer(Optimizer):
         self._clip_request = None
         per_param = {}
         for entries, partials in measured:
-            sums = partials["sketch"] if "sketch" in partials.sums else partials["direction"]
+            stack = partials.of_all_matrices()
+            sums = stack["sketch"] if "sketch" in stack.sums else stack["direction"]
             for e, total in zip(entries, ops.pairwise_sums(sums), strict=True):
                 per_param[e.index] = total
         if not per_param:
@@ -441,9 +460,10 @@ class SketchOptimizer(Optimizer):
         torch._foreach_mul_(tensors, factor)
         square = factor * factor
         for _, partials in measured:
-            for name in ("sketch", "direction"):
-                if name in partials.sums:
-                    partials.sums[name].mul_(square)
+            for stats in {id(s): s for s in (partials, partials.of_all_matrices())}.values():
+                for name in ("sketch", "direction"):
+                    if name in stats.sums:
+                        stats.sums[name].mul_(square)
 
     def _weight_sq_norms(self, entries: list[Entry]) -> torch.Tensor:
         """``||W_e||_F^2`` of every matrix of the entries, ``[M, E]`` FP32.

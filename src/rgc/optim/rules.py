@@ -37,12 +37,22 @@ class Partials:
     Every sum is additive over rows, so that a distributed step can complete the partial sums
     of row shards by summing them over the ranks (and ``finite`` by counting the ranks that
     saw a non-finite value).
+
+    ``whole``: when this process updates only some of each weight's matrices (FSDP2's shard
+    of an expert stack holds whole experts, not all of them), the same statistics of all of
+    them (``[M, E_total]``), for a rule whose coefficient reads the whole stack; ``None``
+    when the matrices here are all.
     """
     finite: torch.Tensor
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    whole: Partials | None = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.sums[name]
+
+    def of_all_matrices(self) -> Partials:
+        """The statistics of every matrix of each weight: ``whole``, else these."""
+        return self if self.whole is None else self.whole
 
 
 @dataclass
@@ -105,15 +115,18 @@ def rgc_stack(partials: Partials, sketches: list[torch.Tensor], *, lr, maximize:
     ``partials``: ``sketch`` and ``weight`` sums (``[M, E]``); ``sketches``: the M weights'
     ``[E, d, r]`` FP32 sketches (the factors, unchanged); ``lr``: float or 0-dim FP32 tensor on
     the device. ``expert_norm='stack'`` gives all E matrices of a weight one coefficient from
-    the norms of the whole stack (its finite matrices); ``'expert'`` normalises each matrix
+    the norms of the whole stack (its finite matrices; ``partials.whole`` when only some are
+    here); ``'expert'`` normalises each matrix
     by its own. ``weight_decay`` (``wd``) is decoupled, as AdamW's, and applied only to the
     matrices that move. The proposal asks for ``||W_new||^2`` (``sq_norms``).
     """
     h2, finite, w2 = partials["sketch"], partials.finite, partials["weight"]
-    if h2.shape[1] > 1 and expert_norm == "stack":
-        coef, _ = normalized_coef(ops.pairwise_sums(w2).unsqueeze(1),
-                                  ops.pairwise_sums(torch.where(finite, h2, 0.0)).unsqueeze(1),
-                                  lr, finite.any(1, keepdim=True))
+    stack = partials.of_all_matrices()
+    if stack.finite.shape[1] > 1 and expert_norm == "stack":
+        coef, _ = normalized_coef(
+            ops.pairwise_sums(stack["weight"]).unsqueeze(1),
+            ops.pairwise_sums(torch.where(stack.finite, stack["sketch"], 0.0)).unsqueeze(1),
+            lr, stack.finite.any(1, keepdim=True))
         active = finite & (h2 > 0)
         coefs = torch.where(active, coef, 0.0)
     else:

@@ -1,0 +1,267 @@
+"""Stacks of experts sharded by FSDP2 (``fully_shard``'s default ``Shard(0)``: whole experts
+per rank), on 2 and 4 CPU processes (gloo), against one process stepping the whole batch.
+
+Two runs (one per world size) cover a tiny Qwen3-MoE (5 experts: an uneven split, and on 4
+processes a rank that holds none) and a tiny Mixtral (4 experts), each sharded per decoder
+layer and as a whole, with RGCOptimizer (``expert_norm`` ``'expert'`` and ``'stack'``) and
+RowAdam, ``keep_updates=True`` and a payload per step; the Qwen3-MoE also built on the meta
+device, and (2 processes) saved with ``torch.distributed.checkpoint`` and resumed by a third
+run. The assertions run here.
+
+On 2 processes every sum is formed in the single process's order: the two sketches are
+added as the micro-batches are accumulated (``a + b`` either way), and an expert's partial
+sums are complete on the rank that holds it (the stack's totals are gathered, not re-summed),
+so the weights are bit-identical. On 4 processes gloo adds the four sketches in an order of
+its own: a BF16 weight can only differ where stochastic rounding falls the other way, by one
+ulp, in a small fraction of elements (as in ``tests/test_distributed.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import rgc
+from rgc.distributed import DistributedRGCOptimizer, DistributedRowAdam
+from tests.test_distributed import bf16_ulps, full_state, load, spawn
+
+pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable"),
+              pytest.mark.slow]
+
+STEPS = 6
+RANK = 4
+LR = {"rgc": 1e-2, "rgc-stack": 1e-2, "rowadam": 2e-3}
+FAMILIES = {"qwen3_moe": 5, "mixtral": 4}  # experts per layer
+RULES = ("rgc", "rgc-stack", "rowadam")
+
+
+def _model(family: str, init_seed: int = 0):
+    from tests.models import tiny_moe
+
+    model = tiny_moe(family, dtype=torch.bfloat16, seed=init_seed, layers=2,
+                     experts=FAMILIES[family])
+    return rgc.wrap(model, rank=RANK, seed=3)
+
+
+def _shard(model):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _ids(step: int) -> torch.Tensor:
+    return torch.randint(0, 64, (4, 6), generator=torch.Generator().manual_seed(step))
+
+
+def _loss(model, step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
+    ids = _ids(step)[rank * 4 // world:(rank + 1) * 4 // world]
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _optimizer(rule: str, params, *, distributed: bool, **kwargs):
+    if rule == "rowadam":
+        cls = DistributedRowAdam if distributed else rgc.RowAdam
+        return cls(params, lr=LR[rule], seed=5, **kwargs)
+    cls = DistributedRGCOptimizer if distributed else rgc.RGCOptimizer
+    return cls(params, lr=LR[rule], seed=5,
+               expert_norm="stack" if rule == "rgc-stack" else "expert", **kwargs)
+
+
+def _steps(model, opt, rank: int, world: int, steps: range, record: dict) -> None:
+    """Train ``steps``; records each step's weights before and after, its payload, the
+    largest tensor the step allocated and the bytes rgc passed to collectives."""
+    record.setdefault("largest", 0)
+    record.setdefault("comm", [])
+    for step in steps:
+        record["pre"].append(full_state(model))
+        _loss(model, step, rank, world).backward()
+        with rgc.memory.track() as tracked:
+            opt.step()
+        sizes = [math.prod(a.shape) for a in tracked.allocations]
+        record["largest"] = max([record["largest"], *sizes])
+        record["comm"].append(opt.last_comm_bytes)
+        opt.zero_grad()
+        record["payloads"].append(opt.export_update(model))  # collective
+        record["post"].append(full_state(model))
+
+
+def _train(rank: int, world: int, family: str, rule: str, *, meta: bool = False) -> dict:
+    if meta:  # meta init -> wrap -> fully_shard -> to_empty -> init -> load the checkpoint
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        weights = full_state(_model(family))
+        with torch.device("meta"):
+            model = _model(family)
+        _shard(model).to_empty(device="cpu")
+        model.init_weights()  # transformers' init: the rotary buffers no checkpoint holds
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+    else:
+        model = _shard(_model(family))
+    stacks = [p for p in model.parameters() if p.dim() == 3]
+    assert stacks and all(isinstance(p, torch.distributed.tensor.DTensor) for p in stacks)
+    # one bucket per sketch: the largest tensor of the step is then one layer's (a bucket
+    # of all of a tiny model's sketches outgrows one of its stacks)
+    opt = _optimizer(rule, model.parameters(), distributed=True, keep_updates=True,
+                     bucket_mb=1e-4)
+    record = {"pre": [], "post": [], "payloads": []}
+    _steps(model, opt, rank, world, range(STEPS), record)
+    return record
+
+
+def _dcp(rank: int, world: int, out: Path, phase: str) -> dict:
+    """RowAdam and RGCOptimizer on the sharded Qwen3-MoE: 2 steps, a checkpoint, 2 more; or a
+    differently initialised model loading the checkpoint and stepping 2."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    finals = {}
+    for rule in ("rowadam", "rgc-stack"):
+        model = _shard(_model("qwen3_moe", init_seed=0 if phase == "save" else 1))
+        opt = _optimizer(rule, model.parameters(), distributed=True, keep_updates=True)
+        checkpoint = str(out.parent / f"ckpt-{rule}")
+        record = {"pre": [], "post": [], "payloads": []}
+        if phase == "save":
+            _steps(model, opt, rank, world, range(2), record)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        if phase == "save":
+            dcp.save(state, checkpoint_id=checkpoint)
+        else:
+            dcp.load(state, checkpoint_id=checkpoint)
+            set_state_dict(model, opt, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        record = {"pre": [], "post": [], "payloads": []}
+        _steps(model, opt, rank, world, range(2, 4), record)
+        finals[rule] = record
+    return finals
+
+
+def _worker(rank: int, world: int, out: Path) -> None:
+    records = {(family, rule): _train(rank, world, family, rule)
+               for family in FAMILIES for rule in RULES}
+    records["meta"] = _train(rank, world, "qwen3_moe", "rowadam", meta=True)
+    if world == 2:
+        records["dcp"] = _dcp(rank, world, out, "save")
+    torch.save(records, out / f"experts{rank}.pt")
+
+
+def _resume_worker(rank: int, world: int, out: Path) -> None:
+    torch.save(_dcp(rank, world, out, "resume"), out / f"experts{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("distributed_experts")
+    results = {}
+    for world in (2, 4):
+        spawn(_worker, out / f"world{world}", world)
+        results[world] = [torch.load(out / f"world{world}" / f"experts{r}.pt",
+                                     weights_only=False) for r in range(world)]
+    spawn(_resume_worker, out / "resume", 2)
+    results["resumed"] = [torch.load(out / "resume" / f"experts{r}.pt", weights_only=False)
+                          for r in range(2)]
+    return results
+
+
+def _single_process(family: str, rule: str, world: int, pres: list[dict]) -> list[dict]:
+    """One process from each step's weights, the ranks' shares as micro-batches."""
+    model = _model(family)
+    opt = _optimizer(rule, model.parameters(), distributed=False)
+    posts = []
+    for step, pre in enumerate(pres):
+        load(model, pre)
+        for r in range(world):
+            (_loss(model, step, r, world) / world).backward()
+        opt.step()
+        opt.zero_grad()
+        posts.append(full_state(model))
+    return posts
+
+
+def _assert_matches(got: dict, ref: dict, *, exact: bool, where) -> int:
+    """Equal bits, or (``exact`` false) BF16 weights within one ulp in at most 1% of elements;
+    returns the elements that differ."""
+    differing = 0
+    for k, v in ref.items():
+        if exact:
+            assert torch.equal(got[k], v), (where, k)
+            continue
+        ulps = bf16_ulps(got[k], v)
+        assert int(ulps.max()) <= 1, (where, k, int(ulps.max()))
+        assert int((ulps > 0).sum()) <= max(1, ulps.numel() // 100), (where, k)
+        differing += int((ulps > 0).sum())
+    return differing
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_sharded_expert_stacks_equal_one_process_on_the_whole_batch(runs, world, family, rule):
+    """Every rank ends every step with the single process's weights (bit for bit on 2
+    processes), the expert stacks move, and a receiver of the payloads follows bit for bit."""
+    records = [r[(family, rule)] for r in runs[world]]
+    reference = _single_process(family, rule, world, records[0]["pre"])
+    receiver = _model(family)
+    load(receiver, records[0]["pre"][0])
+    stacks = [n for n, p in receiver.named_parameters() if p.dim() == 3]
+    assert len(stacks) == 4  # gate_up_proj and down_proj of 2 layers
+    for step, ref in enumerate(reference):
+        got = records[0]["post"][step]
+        for other in records[1:]:
+            assert all(torch.equal(v, got[k]) for k, v in other["post"][step].items())
+        _assert_matches(got, ref, exact=world == 2, where=(family, rule, world, step))
+        pre = records[0]["pre"][step]
+        assert all(not torch.equal(got[n], pre[n]) for n in stacks), step
+        rgc.apply_update(receiver, records[0]["payloads"][step])
+        assert all(torch.equal(v, got[k]) for k, v in full_state(receiver).items()), step
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_step_never_gathers_an_expert_stack(runs, world):
+    """What crosses the network per step is the E x d x r sketches and a few sums, far below
+    the stacks' BF16 bytes, and no tensor the step allocates holds a whole stack (FSDP2's own
+    all-gather of a layer's weights for forward is FSDP's, not the step's)."""
+    for family in FAMILIES:
+        model = _model(family)
+        stacks = [p for p in model.parameters() if p.dim() == 3]
+        sketch_bytes = sum(4 * RANK * p.numel() // p.shape[2] for p in stacks)
+        for rule in RULES:
+            for records in runs[world]:
+                record = records[(family, rule)]
+                assert 0 < record["largest"] < min(p.numel() for p in stacks), (family, rule)
+                for sent in record["comm"]:
+                    # the reduce-scatter carries every sketch once (padded), then the sums
+                    assert sketch_bytes <= sent < sum(2 * p.numel() for p in stacks), \
+                        (family, rule, sent)
+
+
+def test_meta_initialised_sharded_experts_equal_a_materialised_run(runs):
+    for world in (2, 4):
+        for records in runs[world]:
+            want = records[("qwen3_moe", "rowadam")]["post"]
+            for step, (got, ref) in enumerate(zip(records["meta"]["post"], want, strict=True)):
+                assert got.keys() == ref.keys()
+                assert all(torch.equal(got[k], v) for k, v in ref.items()), (world, step)
+
+
+def test_dcp_resume_of_sharded_experts_is_bit_identical(runs):
+    """From fresh processes and a differently initialised model: weights and payloads
+    continue as if uninterrupted (RowAdam's moments and per-expert counts resharded by DCP)."""
+    for straight, resumed in zip((r["dcp"] for r in runs[2]), runs["resumed"], strict=True):
+        for rule in ("rowadam", "rgc-stack"):
+            a, b = straight[rule], resumed[rule]
+            for sa, sb in zip(a["post"], b["post"], strict=True):
+                assert all(torch.equal(sa[k], sb[k]) for k in sa), rule
+            for pa, pb in zip(a["payloads"], b["payloads"], strict=True):
+                assert pa.keys() == pb.keys()
+                assert all(torch.equal(pa[k], pb[k]) for k in pa), rule
