@@ -622,3 +622,27 @@ def test_a_predicate_gets_modules_as_in_wrap():
     assert by_predicate == by_name
     assert seen and all(isinstance(m, torch.nn.Module) for m in seen)
     assert {m.weight.device.type for m in seen if isinstance(m, torch.nn.Linear)} == {"meta"}
+
+
+def test_a_rank_wrap_refuses_is_refused_by_the_estimate_and_marked_by_the_cli(tmp_path):
+    """rgc.wrap's default orthonormal P needs rank <= in_features of every target: the
+    estimate raises wrap's own error, the CLI marks the row instead of printing a figure."""
+    from rgc.memory.__main__ import table
+    from tests.models import tiny_qwen3
+
+    cfg = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 8, "tie_word_embeddings": False}
+    model = tiny_qwen3(vocab_size=64, intermediate_size=48, num_hidden_layers=1)
+    with pytest.raises(ValueError, match="rank <= in_features") as wrap_error:
+        rgc.wrap(model, 33)
+    for method in ("rgc", "rowadam"):
+        with pytest.raises(ValueError, match="rank <= in_features") as estimate_error:
+            estimate_memory(cfg, method=method, rank=33, fsdp=2)
+        assert str(estimate_error.value) == str(wrap_error.value)
+        estimate_memory(cfg, method=method, rank=32, fsdp=2)  # the largest rank wrap accepts
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    text = table(str(path), [33], methods=("rgc", "lora"))
+    assert "| rgc | 33 | n/a | n/a | rank > in_features" in text
+    assert "| lora | 33 | n/a" not in text

@@ -48,6 +48,9 @@ def table(config, ranks, *, batch=None, seq_len=None, targets=None, dtype=torch.
                 lines.append(f"| {method} | {rank or '-'} | n/a | n/a | no FSDP2 support |")
             elif "expert stacks" in str(err):
                 lines.append(f"| {method} | {rank or '-'} | n/a | n/a | no expert support |")
+            elif "in_features" in str(err):
+                lines.append(f"| {method} | {rank} | n/a | n/a | rank > in_features "
+                             "(rgc.wrap refuses it) |")
             else:
                 raise
             return None

@@ -58,6 +58,7 @@ import torch.nn as nn
 
 from rgc.experts import expert_weight_names
 from rgc.ops import reference, triton_buffers
+from rgc.projection import check_rank
 from rgc.targets import Targets, plan_targets
 from rgc.updates import resolve_chunk_rows
 
@@ -892,7 +893,9 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
       sketches live from backward to the step.
     * rgc: per target C (d x r, 4) and P (k x r, weight dtype); no dense weight gradient and
       no tensor optimizer state; step temporaries per :func:`rgc_step_temporaries`, with P
-      regenerated after every step (``refresh='every_step'``, the default of rgc.wrap).
+      regenerated after every step (``refresh='every_step'``, the default of rgc.wrap). A
+      rank that rgc.wrap's default orthonormal P cannot give (``rank`` > a target's
+      ``in_features``) raises its ``ValueError``, as wrap would.
     * rowadam: rgc's, plus m (d x r, 4) and v (d, 4) per target (and AdamW moments for
       trainable biases); step temporaries per :func:`rowadam_step_temporaries`.
     * lora: peft-style A (r x k) and B (d x r) in FP32 per target, their FP32 gradients and two
@@ -943,6 +946,8 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
     chosen = _chosen(model_or_config, spec, targets, dtype)
     if targeted and not chosen:
         raise ValueError(f"targets {targets!r} matched no linear layer of the model")
+    if plan_of is _plan_sketch:  # rgc.wrap's default P (orthonormal) limits the rank
+        check_rank("orthonormal", min(s.k for s in chosen), rank)
     plan = plan_of(spec, chosen, rank, method=method, chunk_rows=chunk_rows,
                    implementation=implementation)
     est = {"weights": spec.weight_bytes, **plan.parts}
