@@ -921,6 +921,21 @@ def test_without_process_group_it_is_the_single_process_optimizer(rule):
     assert all_reduce_sketches(a) == 0
 
 
+def test_a_shard_offloaded_to_the_host_is_refused():
+    """FSDP2's CPUOffloadPolicy keeps the shards on the CPU beside a CUDA mesh (it needs an
+    accelerator, so the parameter here is a stand-in with those two attributes)."""
+    from types import SimpleNamespace
+
+    from rgc.distributed import _check_not_offloaded
+
+    offloaded = SimpleNamespace(shape=(8, 4), device=torch.device("cpu"),
+                                device_mesh=SimpleNamespace(device_type="cuda"))
+    with pytest.raises(NotImplementedError, match="CPUOffloadPolicy.*without offload_policy"):
+        _check_not_offloaded(offloaded)
+    _check_not_offloaded(SimpleNamespace(shape=(8, 4), device=torch.device("cpu"),
+                                         device_mesh=SimpleNamespace(device_type="cpu")))
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="bucket_mb"):
         DistributedRGCOptimizer(build().parameters(), lr=0.1, bucket_mb=0)

@@ -349,6 +349,19 @@ def _check_sharded(p: DTensor) -> None:
         raise NotImplementedError(
             f"rgc supports DTensor parameters sharded by rows on a 1-D mesh (FSDP2's default "
             f"Shard(0)); got placements {tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh")
+    _check_not_offloaded(p)
+
+
+def _check_not_offloaded(p) -> None:
+    """Refuse a shard kept off its mesh's device (FSDP2's ``CPUOffloadPolicy``)."""
+    if p.device.type != p.device_mesh.device_type:
+        raise NotImplementedError(
+            f"a sharded parameter {tuple(p.shape)} lives on {p.device.type} while its device "
+            f"mesh computes on {p.device_mesh.device_type}: FSDP2's CPUOffloadPolicy, which "
+            "rgc's step does not serve (the sketches are reduced and the updates written on "
+            "the mesh's device). Shard without offload_policy: a compressed weight has no "
+            "dense gradient and its optimizer state is sketch-sized, so offloading would only "
+            "move the weight shards themselves")
 
 
 class RowShard:
