@@ -816,27 +816,31 @@ RANKED = tuple(m for m, (_, ranked, _, _) in _METHODS.items() if ranked)
 _SHARDED = ("weights", "master", "optimizer_state", "gradients", "adapters")
 
 
-def _fsdp_gathered(spec: ModelSpec) -> int:
-    """Unsharded weights live during forward and backward under FSDP2 (bytes).
+def _fsdp_gathered(spec: ModelSpec) -> tuple[int, int]:
+    """Unsharded weights live under FSDP2 (bytes): ``(at backward start, later in backward)``.
 
     The root module's parameters (embedding, final norm, untied lm_head) stay gathered from
-    forward to the end of backward; of the decoder layers, the one computing and the one
-    prefetched (for a model read through its parameters, the two largest layers).
+    forward to the end of backward. When backward starts (the loss), the root's pre-backward
+    has issued the all-gather of the last decoder layer: one layer's buffer. While a layer
+    computes its backward the next one is prefetched: two layers (for a model read through its
+    parameters, the two largest). Measured with ``rgc.memory.track`` on 2 gloo processes
+    (``tests/test_memory_estimate.py``).
     """
     wsize = spec.weight_itemsize
     if (spec.arch is None or spec.arch.moe_layers) and spec.layer_numels:
         # a decoder described by its parameters (mixture of experts): the root's parameters
-        # (everything outside the layers) and the two largest layers
+        # (everything outside the layers) and the largest layers
         root = spec.num_params - sum(spec.layer_numels)
-        return (root + sum(sorted(spec.layer_numels)[-2:])) * wsize
+        largest = sorted(spec.layer_numels)[-2:]
+        return (root + largest[-1]) * wsize, (root + sum(largest)) * wsize
     if spec.arch is None:
-        return 2 * spec.largest_param * wsize
+        return spec.largest_param * wsize, 2 * spec.largest_param * wsize
     a = spec.arch
     layer = sum(s.d * s.k + (s.d if s.bias else 0) for s in spec.linears
                 if s.name.startswith("model.layers.0."))
     layer += 2 * a.hidden + (2 * a.head_dim if a.qk_norm else 0)
     root = a.vocab * a.hidden * (1 if a.tied else 2) + a.hidden
-    return (root + 2 * layer) * wsize
+    return (root + layer) * wsize, (root + 2 * layer) * wsize
 
 
 def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
@@ -879,10 +883,11 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
             transient FP32 copies of :func:`compute_copy_bytes` (``compute_copies``).
         fsdp: per-GPU memory under FSDP2 over this many GPUs (1: no sharding). Weights,
             gradients, master copy, optimizer state and adapters are divided by ``fsdp``
-            (RowAdam's m and v live with the rows each GPU owns:
+            (RowAdam's m and v live with the rows or experts each GPU owns:
             :class:`rgc.DistributedRowAdam`); rgc's sketches and projections are whole on
             every GPU; during forward and backward the root module's parameters (embedding,
-            final norm, untied lm_head) and two decoder layers are gathered. Not for 'galore',
+            final norm, untied lm_head) are gathered, with one decoder layer when backward
+            starts and two later (:func:`_fsdp_gathered`). Not for 'galore',
             'apollo' and 'apollo-mini', whose optimizers do not run on FSDP2's sharded
             parameters.
 
@@ -951,10 +956,10 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
     plan = plan_of(spec, chosen, rank, method=method, chunk_rows=chunk_rows,
                    implementation=implementation)
     est = {"weights": spec.weight_bytes, **plan.parts}
-    gathered = 0
+    gathered_at_start = gathered = 0
     if fsdp > 1:
         est = {k: -(-v // fsdp) if k in _SHARDED else v for k, v in est.items()}
-        gathered = _fsdp_gathered(spec)
+        gathered_at_start, gathered = _fsdp_gathered(spec)
     per_step = sum(est[k] for k in plan.per_step)
     phases = {"optimizer step": (per_step, plan.step_temp, 0),
               "backward end": (per_step, plan.end_temp + gathered, 0)}
@@ -976,7 +981,7 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
         acts += saved
     if batch is not None or acts:
         est["activations"] = acts
-        phases["backward start"] = (0, loss_temp + gathered, acts)
+        phases["backward start"] = (0, loss_temp + gathered_at_start, acts)
     if plan.backward_temp:
         # a bound: the last layer's own activations are partly freed by then
         phases["expert backward"] = (0, plan.backward_temp + gathered, acts - head)

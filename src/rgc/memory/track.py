@@ -7,6 +7,8 @@ on its ``UntypedStorage`` when it is freed. ``t.peak`` is the largest live total
 works on every device, CPU included, and sees autograd's backward and optimizer steps.
 
 rgc's own operators (:mod:`rgc.ops`) are followed inside: their torch ops count as any other.
+A storage resized in place with ``UntypedStorage.resize_`` (how FSDP2 frees and re-gathers its
+unsharded parameters) counts with its new size.
 What it cannot see: storages created before the block (model weights built outside it count
 nothing: build the model inside the block and call :meth:`Tracker.reset_peak`), tensors made
 without an operator (``torch.from_numpy``), and scratch memory a kernel allocates and frees
@@ -134,6 +136,20 @@ class Tracker(TorchDispatchMode):
             self.current -= entry[0]
             self._by_category[entry[1]] -= entry[0]
 
+    def _resized(self, storage, nbytes: int) -> None:
+        """Follow ``UntypedStorage.resize_``: FSDP2 frees a gathered parameter by resizing its
+        storage to 0 and gathers it again into the same storage, which no operator returns."""
+        if self.device is not None and storage.device.type != self.device:
+            return
+        key = storage._cdata
+        entry = self._live.get(key)
+        if entry is not None:
+            self._free(key)
+        if nbytes > 0:
+            self._add(key, nbytes, entry[1] if entry is not None else self._category())
+            if entry is None:
+                weakref.finalize(storage, self._free, key)
+
     def _pack(self, t: torch.Tensor):
         # Saved for backward: move the storage into 'activations' (once). A saved parameter
         # (or a view of one, as the transposed weight of a matmul) stays where it is.
@@ -195,6 +211,15 @@ class Tracker(TorchDispatchMode):
         self._stack.callback(register_optimizer_step_post_hook(post).remove)
         self._stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack,
                                                                            lambda t: t))
+        resize = torch.UntypedStorage.resize_
+
+        def resized(storage, size):
+            out = resize(storage, size)
+            self._resized(storage, storage.nbytes())
+            return out
+
+        torch.UntypedStorage.resize_ = resized
+        self._stack.callback(setattr, torch.UntypedStorage, "resize_", resize)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()
             self._cuda_base = torch.cuda.memory_allocated()
