@@ -265,3 +265,30 @@ def test_dcp_resume_of_sharded_experts_is_bit_identical(runs):
             for pa, pb in zip(a["payloads"], b["payloads"], strict=True):
                 assert pa.keys() == pb.keys()
                 assert all(torch.equal(pa[k], pb[k]) for k in pa), rule
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["moe", "dense"])
+def test_large_model_example_runs_under_torchrun(tmp_path, dense):
+    """examples/large_model.py as documented (2 steps): meta init, FSDP2, payloads, and the
+    replica bit-identical at the end. A run that printed everything and then aborted in gloo's
+    teardown is run once more, as for examples/distributed.py."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_distributed import TEARDOWN_ABORT, TIMEOUT_S
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",
+               PYTHONPATH=os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]))
+    for _ in range(2):
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "2", str(root / "examples" / "large_model.py"), "--steps", "2",
+             *(["--dense"] if dense else [])],
+            capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=tmp_path)
+        finished = "replica bit-identical to the trained policy: True" in result.stdout
+        if result.returncode == 0 or not finished or TEARDOWN_ABORT not in result.stderr:
+            break
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert finished and "step  1" in result.stdout, result.stdout
