@@ -110,6 +110,24 @@ def load_moe_trainer(path: Path, dtype: torch.dtype):
     return Qwen3MoeForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
 
 
+def _expert_group_for(path: Path) -> None:
+    """Before an in-process engine of a mixture-of-experts checkpoint: vLLM makes its process-
+    wide parallel groups with the first engine of the process, and the expert-parallel group
+    only if that model has experts; a later MoE engine would find none. Make it (one rank)."""
+    import json
+
+    from vllm.distributed import parallel_state as ps
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    if not any(config.get(k) for k in ("num_experts", "num_local_experts")):
+        return
+    if ps.model_parallel_is_initialized() and ps._EP is None:
+        world = ps.get_world_group()
+        ps._EP = ps.init_model_parallel_group(
+            [[0]], world.local_rank, torch.distributed.get_backend(world.device_group),
+            group_name="ep")
+
+
 def start_engine(path: Path, dtype: torch.dtype, *, extension: bool = True, **kwargs):
     """A ``vllm.LLM`` on the CPU; with ``tensor_parallel_size`` > 1 one worker process per
     rank. The engine runs in this process if it is the first one of the process and has one
@@ -118,6 +136,8 @@ def start_engine(path: Path, dtype: torch.dtype, *, extension: bool = True, **kw
 
     tp = kwargs.get("tensor_parallel_size", 1)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if tp > 1 else "0"
+    if tp == 1:
+        _expert_group_for(path)
     if extension:
         kwargs["worker_extension_cls"] = "rgc.integrations.vllm.RGCWorkerExtension"
     llm = LLM(model=str(path), dtype=str(dtype).removeprefix("torch."), enforce_eager=True,
