@@ -77,6 +77,57 @@ def load_trainer(path: Path, dtype: torch.dtype):
     return Qwen3ForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
 
 
+def tiny_moe_config(tokenizer, **overrides):
+    """A tiny Qwen3-MoE: 4 experts of width 32 (vLLM's CPU MoE kernels want the hidden and
+    expert widths to be multiples of 32, else they pad the experts), 2 per token."""
+    from transformers import Qwen3MoeConfig
+
+    config = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
+                  moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=32, max_position_embeddings=64, tie_word_embeddings=False,
+                  pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id)
+    config.update(overrides)
+    return Qwen3MoeConfig(**config)
+
+
+def save_moe_base(path: Path, dtype: torch.dtype, seed: int = 0, **overrides) -> Path:
+    """A random tiny Qwen3-MoE in ``dtype`` and its tokenizer, saved to ``path``."""
+    from transformers import Qwen3MoeForCausalLM
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(tiny_moe_config(tokenizer, **overrides)).to(dtype)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def load_moe_trainer(path: Path, dtype: torch.dtype):
+    from transformers import Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+
+
+def _expert_group_for(path: Path) -> None:
+    """Before an in-process engine of a mixture-of-experts checkpoint: vLLM makes its process-
+    wide parallel groups with the first engine of the process, and the expert-parallel group
+    only if that model has experts; a later MoE engine would find none. Make it (one rank)."""
+    import json
+
+    from vllm.distributed import parallel_state as ps
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    if not any(config.get(k) for k in ("num_experts", "num_local_experts")):
+        return
+    if ps.model_parallel_is_initialized() and ps._EP is None:
+        world = ps.get_world_group()
+        ps._EP = ps.init_model_parallel_group(
+            [[0]], world.local_rank, torch.distributed.get_backend(world.device_group),
+            group_name="ep")
+
+
 def start_engine(path: Path, dtype: torch.dtype, *, extension: bool = True, **kwargs):
     """A ``vllm.LLM`` on the CPU; with ``tensor_parallel_size`` > 1 one worker process per
     rank. The engine runs in this process if it is the first one of the process and has one
@@ -85,6 +136,8 @@ def start_engine(path: Path, dtype: torch.dtype, *, extension: bool = True, **kw
 
     tp = kwargs.get("tensor_parallel_size", 1)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if tp > 1 else "0"
+    if tp == 1:
+        _expert_group_for(path)
     if extension:
         kwargs["worker_extension_cls"] = "rgc.integrations.vllm.RGCWorkerExtension"
     llm = LLM(model=str(path), dtype=str(dtype).removeprefix("torch."), enforce_eager=True,
@@ -108,13 +161,15 @@ def greedy(llm, prompts=PROMPTS, tokens=6):
     return result
 
 
-def make_trainer(base: Path, dtype: torch.dtype, opt_name: str, *, chunk_rows: int = 24):
-    """The trainer: the checkpoint wrapped by rgc, three dense tensors trained as well."""
+def make_trainer(base: Path, dtype: torch.dtype, opt_name: str, *, chunk_rows: int = 24,
+                 load=load_trainer, dense=DENSE):
+    """The trainer: the checkpoint (read by ``load``) wrapped by rgc, the ``dense`` tensors
+    trained as well."""
     import rgc
 
-    model = load_trainer(base, dtype)
+    model = load(base, dtype)
     rgc.wrap(model, rank=8, seed=3, preset="rgc" if opt_name == "rgc" else "logra")
-    for name in DENSE:
+    for name in dense:
         model.get_parameter(name).requires_grad_(True)
     if opt_name == "rgc":
         opt = rgc.RGCOptimizer(model.parameters(), lr=3e-2, chunk_rows=chunk_rows,

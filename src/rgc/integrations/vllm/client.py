@@ -131,10 +131,16 @@ def engine_of(engine) -> Engine:
 
 
 def _combined(replies: list, field_index: int, dims: dict[str, tuple[int, int]]):
-    """``{name: fingerprint}`` from the ranks' ``{"shares": {name: [key, share...]}}``."""
+    """``{name: fingerprint}`` from the ranks' ``{"shares": {name: [[key, share...], ...]}}``
+    (one item per block a rank holds)."""
     names = replies[0]["shares"].keys()
-    return {n: combine([(r["shares"][n][0], r["shares"][n][field_index]) for r in replies],
+    return {n: combine([(item[0], item[field_index]) for r in replies for item in r["shares"][n]],
                        *dims[n], n) for n in names}
+
+
+def _entry_dims(entry) -> tuple[int, int]:
+    """``(rows, k)`` of the matrix an entry's fingerprint covers (``E d`` for a stack)."""
+    return (entry.d * (entry.stack.count if entry.stack is not None else 1), entry.k)
 
 
 def push_update(engine, payload: dict[str, torch.Tensor]) -> int:
@@ -155,7 +161,7 @@ def push_update(engine, payload: dict[str, torch.Tensor]) -> int:
     finally:
         cleanup()
     step = replies[0]["step"]
-    dims = {n: (entries[n].d, entries[n].k) for n in replies[0]["shares"]}
+    dims = {n: _entry_dims(entries[n]) for n in replies[0]["shares"]}
     try:
         base, new = _combined(replies, 1, dims), _combined(replies, 2, dims)
     except RuntimeError:
@@ -219,7 +225,7 @@ def push_weights(engine, model: nn.Module, *, step: int | None = None) -> int:
 def read_weights(engine, names) -> dict[str, torch.Tensor]:
     """The engine's current values of the trainer tensors ``names``, reassembled from the
     ranks' pieces (fused layers split, shards joined) as CPU tensors of shape ``d x k``
-    (``d`` for 1-D tensors)."""
+    (``d`` for 1-D tensors, ``E d x k`` for a stack of ``E`` experts)."""
     handle = engine_of(engine)
     names = list(names)
     if handle.local:
@@ -232,7 +238,8 @@ def read_weights(engine, names) -> dict[str, torch.Tensor]:
             replies = []
             for reply in handle.call("rgc_read", names, os.path.join(folder, "pieces")):
                 tensors = load_file(reply["path"])
-                replies.append({n: (key, tensors[n]) for n, key in reply["keys"].items()})
+                replies.append({n: [(key, tensors[f"{n}#{i}"]) for i, key in enumerate(keys)]
+                                for n, keys in reply["keys"].items()})
         finally:
             for file in os.listdir(folder):
                 os.remove(os.path.join(folder, file))
@@ -241,9 +248,9 @@ def read_weights(engine, names) -> dict[str, torch.Tensor]:
     for name in names:
         full = None
         for reply in replies:
-            (row0, rows, col0, cols, d, k), piece = reply[name]
-            if full is None:
-                full = torch.empty(d, k, dtype=piece.dtype)
-            full[row0:row0 + rows, col0:col0 + cols] = piece
+            for (row0, rows, col0, cols, d, k), piece in reply[name]:
+                if full is None:
+                    full = torch.empty(d, k, dtype=piece.dtype)
+                full[row0:row0 + rows, col0:col0 + cols] = piece
         out[name] = full.reshape(-1) if full.shape[1] == 1 else full
     return out

@@ -95,18 +95,21 @@ class RGCWorkerExtension:
 
     @_refusals
     def rgc_fingerprints(self, names) -> dict:
-        """``{"shares": {name: [piece key, share, d, k]}}`` of the current weights."""
+        """``{"shares": {name: [[block key, share], ...]}}`` of the current weights."""
         return {"shares": RGCWorkerExtension.rgc_receiver(self).fingerprints(list(names))}
 
     @_refusals
     def rgc_read(self, names, dest=None):
-        """This rank's pieces of ``names``: ``{name: (key, tensor)}``, or written to the
-        safetensors file ``dest + ".rank<R>"`` whose path is returned with the keys."""
+        """This rank's blocks of ``names``: ``{name: [(key, tensor), ...]}``, or written to the
+        safetensors file ``dest + ".rank<R>"`` (block ``i`` of ``name`` as ``name#i``) whose
+        path is returned with the keys."""
         pieces = RGCWorkerExtension.rgc_receiver(self).read(list(names))
         if dest is None:
             return pieces
         from safetensors.torch import save_file
 
         path = f"{dest}.rank{int(getattr(self, 'rank', 0))}"
-        save_file({n: t.contiguous() for n, (_, t) in pieces.items()}, path)
-        return {"path": path, "keys": {n: key for n, (key, _) in pieces.items()}}
+        save_file({f"{n}#{i}": t.contiguous() for n, blocks in pieces.items()
+                   for i, (_, t) in enumerate(blocks)}, path)
+        return {"path": path, "keys": {n: [key for key, _ in blocks]
+                                       for n, blocks in pieces.items()}}
