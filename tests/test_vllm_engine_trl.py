@@ -1,8 +1,9 @@
 """TRL's GRPOTrainer with ``use_vllm=True`` (colocate) syncs its vLLM engine with rgc payloads.
 
-TRL builds the engine in this process on the CPU. After training, the engine's weights equal
-the trainer's bit for bit, one full sync and then only payloads were sent, and the completions
-TRL sampled from the engine scored like the trainer model's (TRL logs the difference).
+TRL builds the engine in this process on the CPU, for a dense Qwen3 and for a Qwen3-MoE whose
+expert stacks rgc sketches. After training, the engine's weights equal the trainer's bit for
+bit, one full sync and then only payloads were sent, and the completions TRL sampled from the
+engine scored like the trainer model's (TRL logs the difference).
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ pytest.importorskip("trl")
 import rgc  # noqa: E402
 from rgc.integrations import with_rgc  # noqa: E402
 from rgc.integrations.vllm import read_weights  # noqa: E402
-from tests.vllm_engine import CHARS, load_trainer, save_base  # noqa: E402
+from tests.vllm_engine import (  # noqa: E402
+    CHARS,
+    _expert_group_for,
+    load_moe_trainer,
+    load_trainer,
+    save_base,
+    save_moe_base,
+)
 
 STEPS = 4
 
@@ -27,16 +35,21 @@ def reward_digits(completions, **kwargs):
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
-def test_grpo_colocate_sends_payloads(tmp_path, monkeypatch):
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_grpo_colocate_sends_payloads(tmp_path, monkeypatch, moe):
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default is sized for servers
-    base = save_base(tmp_path / "base", torch.bfloat16)
-    model = load_trainer(base, torch.bfloat16)
+    save, load = (save_moe_base, load_moe_trainer) if moe else (save_base, load_trainer)
+    base = save(tmp_path / "base", torch.bfloat16)
+    model = load(base, torch.bfloat16)
     rgc.wrap(model, rank=8, seed=1)
+    sketched = len(rgc.sketched_weights(model))
+    assert sketched == (2 * (4 + 2) if moe else 2 * 7)  # MoE: attention and two stacks
+    _expert_group_for(base)  # TRL's engine may not be the process's first
     prompts = [CHARS[i:i + 5] for i in range(0, 40, 5)]
     config = GRPOConfig(
         output_dir=str(tmp_path / "run"), max_steps=STEPS, per_device_train_batch_size=8,
@@ -57,12 +70,12 @@ def test_grpo_colocate_sends_payloads(tmp_path, monkeypatch):
     assert stats["full_syncs"] == 1 and stats["payloads"] == STEPS
     assert stats["payload_bytes"] / STEPS < stats["full_bytes"] / 2
     engine = read_weights(trainer.vllm_generation.llm, [n for n, _ in model.named_parameters()])
-    start = dict(load_trainer(base, torch.bfloat16).named_parameters())
+    start = dict(load(base, torch.bfloat16).named_parameters())
     moved = 0
     for name, p in model.named_parameters():
         assert torch.equal(engine[name].reshape(p.shape), p.detach()), name
         moved += not torch.equal(p.detach(), start[name])
-    assert moved == 2 * 7
+    assert moved == sketched
     logs = [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/max" in h]
     assert len(logs) == STEPS
     assert max(h["sampling/sampling_logp_difference/max"] for h in logs) < 0.1
