@@ -22,6 +22,13 @@
 #      and the frozen (input-gradient-only) floor, with peak memory and host syncs, and the
 #      update of the two stacks (RGCOptimizer, RowAdam) against fused AdamW and the copy
 #      bandwidth (gpu_experts.*, gpu_experts_step.*).
+#   6. the large-model recipe on NCCL: examples/large_model.py (meta init, FSDP2 with the
+#      expert stacks sharded over experts, a sync payload per step applied to a replica),
+#      MoE and dense, 10 steps each, required to print that the replica is bit-identical
+#      (gpu_check_distributed.txt);
+#   7. where vLLM is installed: the engine tests with expert stacks and dense weights
+#      (tests/test_vllm_engine_moe.py, tests/test_vllm_engine.py) on the GPU engine
+#      (gpu_check_vllm.txt).
 # Every step runs even when an earlier one fails; the exit status is the first failure's.
 #   benchmarks/gpu_check.sh [--out DIR] [--reps N] [--no-sweep]
 set -uo pipefail
@@ -74,5 +81,18 @@ for args in "--recipe rgc" "--recipe rgc --fsdp" "--recipe logra --checkpoint $C
     | tee -a '$OUT/gpu_check_distributed.txt' | grep 'weights agree across ranks: True' >/dev/null"
 done
 rm -rf "$CKPT"
+for args in "" "--dense"; do
+  run bash -c "set -o pipefail; '$PY' -m torch.distributed.run --standalone \
+    --nproc-per-node $NPROC examples/large_model.py --steps 10 $args 2>&1 \
+    | tee -a '$OUT/gpu_check_distributed.txt' \
+    | grep 'replica bit-identical to the trained policy: True' >/dev/null"
+done
+if "$PY" -c "import vllm" 2>/dev/null; then
+  run bash -c "set -o pipefail; '$PY' -m pytest tests/test_vllm_engine_moe.py \
+    tests/test_vllm_engine.py -q -p no:cacheprovider -o addopts=-ra 2>&1 \
+    | tee '$OUT/gpu_check_vllm.txt'"
+else
+  echo "== vLLM not installed: the GPU engine checks are skipped" | tee "$OUT/gpu_check_vllm.txt"
+fi
 echo "== results in $OUT (status $status)"
 exit $status
