@@ -401,8 +401,6 @@ def _decode_entry(name: str, fields: dict[str, torch.Tensor]) -> PayloadEntry:
         if values.dtype != torch.float32:
             raise PayloadError(f"payload entry {name}/direction must be FP32, got "
                                f"{values.dtype}")
-    if not bool(torch.isfinite(values).all()):
-        raise PayloadError(f"payload entry for {name!r} holds non-finite values")
     return PayloadEntry(
         name=name, values=values, coef=coef, decay=decay,
         seed=_scalar(fields["seed"], f"{name}/seed", torch.int64), chunk_rows=chunk_rows,
@@ -426,7 +424,18 @@ def decode(tensors: dict[str, torch.Tensor]) -> Payload:
         raise PayloadError(f"the payload has no {STEP_KEY!r} entry")
     step = _scalar(tensors[STEP_KEY], STEP_KEY, torch.int64)
     entries = [_decode_entry(name, fields) for name, fields in _group(tensors).items()]
+    _check_finite(entries)
     return Payload(step, entries)
+
+
+def _check_finite(entries: list[PayloadEntry]) -> None:
+    """Refuse non-finite factors or directions: one check over all of them (one copy of the
+    values), the entry named when one fails."""
+    if not entries or bool(torch.isfinite(torch.cat([e.values.reshape(-1)
+                                                     for e in entries])).all()):
+        return
+    bad = next(e for e in entries if not bool(torch.isfinite(e.values).all()))
+    raise PayloadError(f"payload entry for {bad.name!r} holds non-finite values")
 
 
 # -- export -----------------------------------------------------------------------------------

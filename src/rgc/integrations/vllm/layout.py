@@ -303,6 +303,38 @@ class ExpertPieces:
         else:
             target[positions] = values
 
+    def whole(self, params) -> bool:
+        """True when the engine's parameter, read in plain order, is the trainer's whole
+        ``[E, d, k]`` stack: every expert here as local expert ``e``, unsharded, unpadded."""
+        weight = params[self.param]
+        rows = [0] * self.count
+        for b in self.blocks:
+            if (b.slot, b.local_row0, b.local_col0, b.col0, b.cols) != (b.expert, b.row0, 0, 0,
+                                                                          self.k):
+                return False
+            rows[b.expert] += b.rows
+        return tuple(weight.shape) == (self.count, self.d, self.k) and rows == [self.d] * len(
+            rows)
+
+    def get_experts(self, params, experts: range) -> torch.Tensor:
+        """A copy of the plain ``[len(experts), d, k]`` matrices of ``experts`` (a
+        :meth:`whole` stack): one gather for all of them."""
+        weight = params[self.param][experts.start:experts.stop]
+        if self.packing is None:
+            return weight.clone()
+        flat = self.packing.positions(weight).reshape(-1)
+        return torch.index_select(weight.reshape(len(experts), -1), 1, flat).view(weight.shape)
+
+    def put_experts(self, params, experts: range, values: torch.Tensor) -> None:
+        """Write plain ``[len(experts), d, k]`` ``values`` into ``experts`` (a :meth:`whole`
+        stack): one scatter for all of them."""
+        weight = params[self.param][experts.start:experts.stop]
+        if self.packing is None:
+            weight.copy_(values)
+            return
+        flat = self.packing.positions(weight).reshape(-1)
+        weight.view(len(experts), -1).index_copy_(1, flat, values.reshape(len(experts), -1))
+
 
 def _routed_experts(model: nn.Module, path: str):
     """``(vLLM's RoutedExperts layer at path or inside the MoE runner there, its path)``, or
