@@ -239,6 +239,9 @@ class Receiver:
         # (step, [(entry, piece, stretches, kept values or None per stretch, new shares)])
         self.pending: tuple[int, list[tuple]] | None = None
         self._pieces: dict[str, Piece | ExpertPieces] = {}
+        # projections of the last payload, and of the one being applied
+        self._kept_projections: dict[tuple, torch.Tensor] = {}
+        self._used: dict[tuple, torch.Tensor] = {}
 
     def params(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters(remove_duplicate=False))
@@ -280,11 +283,18 @@ class Receiver:
         return piece
 
     def _projection(self, entry: PayloadEntry, params, piece):
+        """``P`` (``k x r``, the weight's dtype and device) of a low-rank ``entry``; made once
+        per payload and kept for the next one (a trainer keeps ``P`` for many steps)."""
         if not entry.lowrank:
             return None
         spec, weight = entry.projection, params[piece.param]
-        return make_projection(spec.kind, spec.k, spec.r, seed=spec.seed, device=weight.device,
-                               dtype=weight.dtype)
+        key = (spec, weight.dtype, weight.device)
+        if key not in self._used:
+            self._used[key] = self._kept_projections.get(key)
+            if self._used[key] is None:
+                self._used[key] = make_projection(spec.kind, spec.k, spec.r, seed=spec.seed,
+                                                  device=weight.device, dtype=weight.dtype)
+        return self._used[key]
 
     @torch.no_grad()
     def prepare_piece(self, entry: PayloadEntry, piece: Piece | ExpertPieces, params,
@@ -345,6 +355,7 @@ class Receiver:
                                "push_weights")
         params = self.params()
         planned = [(e, self._checked_piece(e, params)) for e in decoded.entries]
+        self._kept_projections, self._used = self._used or self._kept_projections, {}
         shares, pending, budget = {}, [], self.keep_bytes
         for entry, piece in planned:
             items, kept = self.prepare_piece(entry, piece, params, budget)
