@@ -71,6 +71,8 @@ def test_blocks_updated_apart_equal_the_trainers_weight(dtype, opt_name, chunk_r
         by_rows = data.draw(st.booleans(), label=f"{entry.name} cut by rows")
         n = entry.d if by_rows else entry.k
         cuts = _cuts(n, data.draw(st.lists(st.integers(1, max(n - 1, 1)), max_size=3)))
+        # kept: the commit copies the checked values in; not kept: it rebuilds them
+        budget = data.draw(st.sampled_from([None, 0, 64]), label="bytes kept")
         out = torch.empty_like(full)
         new_shares, written_shares = [], []
         for a, b in cuts:
@@ -81,9 +83,12 @@ def test_blocks_updated_apart_equal_the_trainers_weight(dtype, opt_name, chunk_r
             piece = Piece("w", 2, rows[0], rows[1] - rows[0], cols[0], cols[1] - cols[0],
                           entry.d, entry.k)
             params = {"w": param}
-            new_shares.append((piece.key, receiver._pass(entry, piece, params, write=False)))
+            items, kept = receiver.prepare_piece(entry, piece, params, budget=budget)
+            new_shares += [(key, share) for key, _, share in items]
             assert torch.equal(param[2:], shard), "the check pass wrote into the weight"
-            written_shares.append((piece.key, receiver._pass(entry, piece, params, write=True)))
+            written = receiver.commit_piece(entry, piece, params, kept)
+            written_shares += [(key, new if share is None else share)
+                               for (key, share), (_, _, new) in zip(written, items, strict=True)]
             assert torch.equal(param[:2], torch.ones_like(param[:2]))
             out[rows[0]:rows[1], cols[0]:cols[1]] = param[2:]
         expected = trained[entry.name].detach().reshape(entry.d, entry.k)

@@ -61,7 +61,8 @@ _LOWRANK_FIELDS = frozenset(("factor", "coef", "decay", "seed", "projection", "o
                              "result"))
 _STACK_FIELDS = _LOWRANK_FIELDS | {"stack"}
 _DENSE_FIELDS = frozenset(("direction", "coef", "decay", "seed", "options", "base", "result"))
-_CHUNK = 1 << 20
+_CHUNK = 1 << 22
+_COLUMNS = 1 << 15  # columns of a fingerprint block: its row reductions stay below 2^62
 
 
 class PayloadError(ValueError):
@@ -71,17 +72,33 @@ class PayloadError(ValueError):
 
 # -- fingerprints ---------------------------------------------------------------------------
 
+def _mod_m(x: torch.Tensor) -> torch.Tensor:
+    """``x mod M`` of non-negative int64 ``x`` without a division (``M = 2^31 - 1``, so
+    ``2^31 = 1 mod M``): two folds of the high bits onto the low 31, then one subtraction."""
+    m = FINGERPRINT_MODULUS
+    x = (x & m) + (x >> 31)  # < 2^33
+    x = (x & m) + (x >> 31)  # <= M + 3
+    return torch.where(x >= m, x - m, x)
+
+
 def _share_words(bits: torch.Tensor, origin: torch.Tensor) -> torch.Tensor:
     """``sum bits_ij * ((n_ij A + B) mod M) mod M`` over a block of int16/int32 patterns
-    (``bits`` 2-D, taken unsigned) at flat indices ``n_ij = (origin[0] + i) origin[2] +
-    origin[1] + j`` (``origin`` int64 ``[3]``: first row, first column, row length), as a
-    0-dim int64. Integer arithmetic only: compiled or not, the same value."""
+    (``bits`` 2-D, at most ``2^15`` columns, taken unsigned) at flat indices ``n_ij =
+    (origin[0] + i) origin[2] + origin[1] + j`` (``origin`` int64 ``[3]``: first row, first
+    column, row length), as a 0-dim int64.
+
+    Modulo ``M`` the sum is ``A sum n v + B sum v``, and per row ``sum_j n_ij v_ij = (n_i0)
+    r_i + t_i`` with ``r_i = sum_j v_ij``, ``t_i = sum_j j v_ij``: two exact row reductions
+    (``t_i < 2^15 2^15 2^32``), then arithmetic on ``[rows]`` vectors. Integer arithmetic
+    only, no division: compiled or not, vectorised or not, the same value. At most ``2^22``
+    elements (``sum r < 2^54``)."""
     values = bits.to(torch.int64) & (0xFFFF if bits.dtype == torch.int16 else 0xFFFFFFFF)
+    j = torch.arange(bits.shape[1], dtype=torch.int64, device=bits.device)
+    r, t = values.sum(1), (values * j).sum(1)
     rows = torch.arange(bits.shape[0], dtype=torch.int64, device=bits.device) + origin[0]
-    cols = torch.arange(bits.shape[1], dtype=torch.int64, device=bits.device) + origin[1]
-    index = rows[:, None] * origin[2] + cols[None, :]
-    m = FINGERPRINT_MODULUS
-    return (values * ((index % m * FINGERPRINT_A + FINGERPRINT_B) % m) % m).sum()
+    first = _mod_m(rows * origin[2] + origin[1])
+    weighted = _mod_m((_mod_m(first * _mod_m(r)) + _mod_m(t)).sum())
+    return _mod_m(_mod_m(weighted * FINGERPRINT_A) + _mod_m(_mod_m(r.sum()) * FINGERPRINT_B))
 
 
 def _check_dtype(tensor: torch.Tensor) -> None:
@@ -94,17 +111,21 @@ def fingerprint_share(values: torch.Tensor, row0: int, col0: int, k: int) -> tor
     """The share of :func:`fingerprint` of a block of a ``d x k`` tensor (0-dim int64 on its
     device): ``values`` (BF16 or FP32, ``rows x cols``) at row ``row0``, column ``col0``. The
     shares of disjoint blocks covering the tensor add up, mod :data:`FINGERPRINT_MODULUS`, to
-    its fingerprint. About ``2^20`` elements at a time (no product reaches 2^63); one compiled
-    loop each on the CPU."""
+    its fingerprint. Blocks of about ``2^22`` elements and at most ``2^15`` columns (no sum
+    reaches 2^63); one compiled loop each on the CPU."""
     _check_dtype(values)
     int_dtype = torch.int16 if values.dtype == torch.bfloat16 else torch.int32
     bits = values.detach().contiguous().view(int_dtype)
     run = integer_loop(_share_words, bits.device)
-    step = max(1, _CHUNK // max(bits.shape[1], 1))
+    width = min(bits.shape[1], _COLUMNS)
+    step = max(1, _CHUNK // max(width, 1))
     total = torch.zeros((), dtype=torch.int64, device=bits.device)
-    for start in range(0, bits.shape[0], step):
-        origin = torch.tensor([row0 + start, col0, k], dtype=torch.int64, device=bits.device)
-        total = (total + run(bits[start:start + step], origin)) % FINGERPRINT_MODULUS
+    for c in range(0, bits.shape[1], _COLUMNS):
+        for start in range(0, bits.shape[0], step):
+            origin = torch.tensor([row0 + start, col0 + c, k], dtype=torch.int64,
+                                  device=bits.device)
+            share = run(bits[start:start + step, c:c + _COLUMNS], origin)
+            total = (total + share) % FINGERPRINT_MODULUS
     return total
 
 
@@ -117,8 +138,8 @@ def fingerprint_tensor(tensor: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """
     _check_dtype(tensor)
     flat = tensor.detach().reshape(-1)
-    blocks = flat[:flat.numel() - flat.numel() % _CHUNK].view(-1, _CHUNK)
-    total = fingerprint_share(blocks, 0, offset, _CHUNK) if blocks.numel() else torch.zeros(
+    blocks = flat[:flat.numel() - flat.numel() % _COLUMNS].view(-1, _COLUMNS)
+    total = fingerprint_share(blocks, 0, offset, _COLUMNS) if blocks.numel() else torch.zeros(
         (), dtype=torch.int64, device=flat.device)
     tail = flat[blocks.numel():]
     if tail.numel():
@@ -132,7 +153,7 @@ def fingerprint(tensor: torch.Tensor) -> int:
 
     ``sum_i bits_i * ((i * A + B) mod M) mod M`` with ``M = 2^31 - 1``
     (:data:`FINGERPRINT_A`, :data:`FINGERPRINT_B`, :data:`FINGERPRINT_MODULUS`), computed
-    ``2^20`` elements at a time in int64 (no product reaches 2^63). It detects a receiver that
+    exactly in int64 from row sums (:func:`fingerprint_share`). It detects a receiver that
     is not on the update's base weights; it is not a cryptographic checksum.
     """
     return int(fingerprint_tensor(tensor))
@@ -258,7 +279,7 @@ def payload_checksum(payload: dict[str, torch.Tensor]) -> torch.Tensor:
                                "tensor")
         t = value.detach().to("cpu").contiguous().reshape(-1)
         digest.update(f"{key}\0{t.dtype}\0{tuple(value.shape)}\0".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes())
+        digest.update(t.view(torch.uint8).numpy().data)
     return torch.tensor(list(digest.digest()), dtype=torch.uint8)
 
 
@@ -401,8 +422,6 @@ def _decode_entry(name: str, fields: dict[str, torch.Tensor]) -> PayloadEntry:
         if values.dtype != torch.float32:
             raise PayloadError(f"payload entry {name}/direction must be FP32, got "
                                f"{values.dtype}")
-    if not bool(torch.isfinite(values).all()):
-        raise PayloadError(f"payload entry for {name!r} holds non-finite values")
     return PayloadEntry(
         name=name, values=values, coef=coef, decay=decay,
         seed=_scalar(fields["seed"], f"{name}/seed", torch.int64), chunk_rows=chunk_rows,
@@ -426,7 +445,18 @@ def decode(tensors: dict[str, torch.Tensor]) -> Payload:
         raise PayloadError(f"the payload has no {STEP_KEY!r} entry")
     step = _scalar(tensors[STEP_KEY], STEP_KEY, torch.int64)
     entries = [_decode_entry(name, fields) for name, fields in _group(tensors).items()]
+    _check_finite(entries)
     return Payload(step, entries)
+
+
+def _check_finite(entries: list[PayloadEntry]) -> None:
+    """Refuse non-finite factors or directions: one check over all of them (one copy of the
+    values), the entry named when one fails."""
+    if not entries or bool(torch.isfinite(torch.cat([e.values.reshape(-1)
+                                                     for e in entries])).all()):
+        return
+    bad = next(e for e in entries if not bool(torch.isfinite(e.values).all()))
+    raise PayloadError(f"payload entry for {bad.name!r} holds non-finite values")
 
 
 # -- export -----------------------------------------------------------------------------------

@@ -211,6 +211,7 @@ class Packing:
         self.pack = pack
         self.name = name
         self._positions: dict[tuple, torch.Tensor] = {}
+        self._plain_index: dict[tuple, torch.Tensor] = {}
 
     def __repr__(self) -> str:
         return f"Packing({self.name!r})"
@@ -246,21 +247,32 @@ class Packing:
             positions = torch.empty_like(plain_of)
             positions[plain_of] = index
             self._positions[key] = positions.view(d, k)
+            self._plain_index[key] = plain_of
         return self._positions[key]
+
+    def plain_index(self, weight: torch.Tensor) -> torch.Tensor:
+        """int64 ``[D K]``: the plain flat index of each stored element of an expert matrix
+        (the inverse of :meth:`positions`)."""
+        self.positions(weight)
+        return self._plain_index[(*weight.shape[-2:], weight.dtype, weight.device)]
+
+    def unpacked(self, weight: torch.Tensor) -> torch.Tensor:
+        """A plain copy of the ``[E, D, K]`` ``weight``: one scatter (faster on the CPU than
+        the gather that inverts it)."""
+        matrices = weight.reshape(weight.shape[0], -1)
+        return torch.empty_like(weight).view_as(matrices).index_copy_(
+            1, self.plain_index(weight), matrices).view_as(weight)
 
     @torch.no_grad()
     def unpack_(self, weight: torch.Tensor) -> None:
         """Put each expert matrix of ``weight`` (``[E, D, K]``) in plain order, in place."""
-        flat = self.positions(weight).reshape(-1)
-        for matrix in weight.view(weight.shape[0], -1):
-            matrix.copy_(matrix[flat])
+        weight.copy_(self.unpacked(weight))
 
     @torch.no_grad()
     def pack_(self, weight: torch.Tensor) -> None:
         """The inverse of :meth:`unpack_`: store each plain expert matrix in packed order."""
-        flat = self.positions(weight).reshape(-1)
-        for matrix in weight.view(weight.shape[0], -1):
-            matrix[flat] = matrix.clone()
+        matrices = weight.view(weight.shape[0], -1)
+        matrices.index_copy_(1, self.positions(weight).reshape(-1), matrices.clone())
 
 
 @dataclass(frozen=True)
@@ -302,6 +314,37 @@ class ExpertPieces:
             target.copy_(values)
         else:
             target[positions] = values
+
+    def whole(self, params) -> bool:
+        """True when the engine's parameter, read in plain order, is the trainer's whole
+        ``[E, d, k]`` stack: every expert here as local expert ``e``, unsharded, unpadded."""
+        weight = params[self.param]
+        rows = [0] * self.count
+        for b in self.blocks:
+            if (b.slot, b.local_row0, b.local_col0, b.col0, b.cols) != (b.expert, b.row0, 0, 0,
+                                                                          self.k):
+                return False
+            rows[b.expert] += b.rows
+        return tuple(weight.shape) == (self.count, self.d, self.k) and rows == [self.d] * len(
+            rows)
+
+    def get_experts(self, params, experts: range) -> torch.Tensor:
+        """A copy of the plain ``[len(experts), d, k]`` matrices of ``experts`` (a
+        :meth:`whole` stack): one gather for all of them."""
+        weight = params[self.param][experts.start:experts.stop]
+        if self.packing is None:
+            return weight.clone()
+        return self.packing.unpacked(weight)
+
+    def put_experts(self, params, experts: range, values: torch.Tensor) -> None:
+        """Write plain ``[len(experts), d, k]`` ``values`` into ``experts`` (a :meth:`whole`
+        stack): one scatter for all of them."""
+        weight = params[self.param][experts.start:experts.stop]
+        if self.packing is None:
+            weight.copy_(values)
+            return
+        flat = self.packing.positions(weight).reshape(-1)
+        weight.view(len(experts), -1).index_copy_(1, flat, values.reshape(len(experts), -1))
 
 
 def _routed_experts(model: nn.Module, path: str):

@@ -1,31 +1,38 @@
 """The engine side: read a payload, check it, replay it on the engine's own weight pieces.
 
-One payload is applied in two passes over the same arithmetic, so that a payload the engine
-cannot reproduce leaves its weights as they were:
+A payload is applied so that one the engine cannot reproduce leaves its weights as they were:
 
 1. :meth:`Receiver.prepare`: validate every entry (format, checksum, names, shapes, dtypes,
-   finite values), fingerprint each piece as it is (``base``) and as the update would leave
-   it (``new``), computed ``chunk_rows`` rows at a time in a scratch buffer; nothing is
-   written. The trainer adds the shares of all ranks and compares them with the payload's
-   ``N/base`` and ``N/result``.
-2. :meth:`Receiver.commit`: write the update in place and fingerprint the result again.
+   finite values); then, :class:`Stretch` by stretch of each piece, copy the engine's values
+   into a scratch buffer, fingerprint them (``base``), replay the update on the copy and
+   fingerprint the result (``new``). Nothing is written. The results are kept for the commit
+   up to ``Receiver.keep_bytes`` in all. The trainer adds the shares of all ranks and
+   compares them with the payload's ``N/base`` and ``N/result``.
+2. :meth:`Receiver.commit`: copy each kept result in (the bits that were checked); a stretch
+   not kept is replayed again in place and the written values fingerprinted.
 
-A stack of experts is replayed expert by expert on the blocks of vLLM's fused-MoE weights that
-hold it (:class:`~rgc.integrations.vllm.layout.ExpertPieces`): each block on the trainer's
-grid of ``chunk_rows`` rows of its expert's matrix, in a scratch chunk of the trainer's width
-(read from and written back to the engine's storage order), with the rounding bits of flat
-index ``(e d + i) k + j``. Experts the trainer left unchanged (coefficient and decay 0) are
-not rebuilt. No ``[E, d, k]`` FP32 temporary is made.
+A stretch is rebuilt on the trainer's grid of ``chunk_rows`` rows, so the rebuild multiplies
+the same shapes as the trainer's step did: whole chunks of a full-width block at once (up to
+about ``_SPAN`` elements), one chunk at a time (in a scratch chunk of the trainer's width) where
+the engine holds part of a chunk (a column shard, a row shard off the grid). A stack of experts
+(:class:`~rgc.integrations.vllm.layout.ExpertPieces`) whose engine parameter is the trainer's
+whole ``[E, d, k]`` stack is rebuilt a group of experts at a time, read from and written to
+the engine's storage order with one gather and one scatter; otherwise block by block, with the
+rounding bits of flat index ``(e d + i) k + j``. No ``[E, d, k]`` FP32 temporary is made.
 
 :func:`write_chunk` is the one place that calls the rgc core to write an update.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
 from rgc.integrations.vllm.layout import (
+    ExpertBlock,
     ExpertPieces,
     Piece,
     expert_packing,
@@ -36,7 +43,11 @@ from rgc.payload import PayloadEntry, PayloadError, decode
 from rgc.projection import make_projection
 from rgc.updates import apply_dense_update_, apply_lowrank_update_
 
+#: Elements of a dense (direction) update written at once, and of a stretch rebuilt at once.
 _DENSE_CHUNK = 1 << 22
+_SPAN = 1 << 24
+#: Bytes of rebuilt values a receiver keeps between prepare and commit (``RGC_KEEP_BYTES``).
+KEEP_BYTES = int(os.environ.get("RGC_KEEP_BYTES", 1 << 30))
 
 
 def _check_supported(entry: PayloadEntry) -> None:
@@ -52,66 +63,185 @@ def _check_supported(entry: PayloadEntry) -> None:
                            f"dimension, got shape {tuple(entry.values.shape)}")
 
 
-def _coefficients(entry: PayloadEntry, expert: int | None) -> tuple[float, float]:
-    """``(coef, decay)`` of ``entry``, of matrix ``expert`` for a stack."""
-    if expert is None:
+def _coefficients(entry: PayloadEntry, experts: int | range | None):
+    """``(coef, decay)`` of ``entry``: floats for one matrix (matrix ``experts`` of a stack),
+    FP32 ``[len(experts)]`` tensors for a range of a stack (the decay 0.0 if all zero)."""
+    if experts is None:
         return entry.coef, entry.decay
-    return float(entry.coef[expert]), float(entry.decay[expert])
+    if isinstance(experts, int):
+        return float(entry.coef[experts]), float(entry.decay[experts])
+    part = slice(experts.start, experts.stop)
+    decay = entry.decay[part]
+    return (entry.coef[part].to(torch.float32),
+            decay.to(torch.float32) if bool(decay.ne(0).any()) else 0.0)
 
 
 def write_chunk(work: torch.Tensor, entry: PayloadEntry, row: int, projection,
-                expert: int | None = None) -> None:
-    """Apply ``entry``'s update to ``work``: trainer rows ``[row, row + len(work))``, all ``k``
-    columns (of matrix ``expert`` of a stack), in place, with the rounding bits of flat indices
-    ``(expert * d + row + i) * k + j``.
+                experts: int | range | None = None) -> None:
+    """Apply ``entry``'s update to ``work`` in place: trainer rows ``[row, row + len(work))``,
+    all ``k`` columns, of the matrix (matrix ``experts`` of a stack), or with a range of
+    ``experts`` the whole ``[len(experts), d, k]`` matrices of those experts (``row`` 0); the
+    rounding bits of flat indices ``(e d + row + i) k + j``.
 
-    The one call into the rgc core for writing an update. ``work`` is a whole chunk of the
-    trainer's ``chunk_rows`` grid (any rows for a dense update), so the rebuild multiplies the
-    same shapes as the trainer's step did.
+    The one call into the rgc core for writing an update. ``work`` starts on the trainer's
+    grid of ``chunk_rows`` rows and holds whole chunks of it (any rows for a dense update), so
+    the rebuild multiplies the same shapes as the trainer's step did.
     """
-    offset = ((expert or 0) * entry.d + row) * entry.k
-    rows = slice(row, row + work.shape[0])
+    first = experts.start if isinstance(experts, range) else experts or 0
+    offset = (first * entry.d + row) * entry.k
+    rows = slice(row, row + work.shape[-2])
     matrix = entry.values if entry.lowrank else entry.values.reshape(entry.d, entry.k)
-    if expert is not None:
-        matrix = matrix[expert]
-    values = matrix[rows].to(work.device)
-    coef, decay = _coefficients(entry, expert)
+    if isinstance(experts, range):
+        matrix = matrix[experts.start:experts.stop]
+    elif experts is not None:
+        matrix = matrix[experts]
+    values = matrix[..., rows, :].to(work.device)
+    coef, decay = _coefficients(entry, experts)
     if not entry.lowrank:
         apply_dense_update_(work, values, coef, decay=decay, seed=entry.seed,
                             stochastic_rounding=entry.stochastic_rounding, offset=offset)
         return
-    if coef != 0.0 or decay != 0.0:
+    if torch.is_tensor(coef) or coef != 0.0 or decay != 0.0:
         apply_lowrank_update_(work, values, projection, coef, decay=decay,
-                              seed=entry.seed, offset=offset, chunk_rows=work.shape[0],
+                              seed=entry.seed, offset=offset, chunk_rows=entry.chunk_rows,
                               stochastic_rounding=entry.stochastic_rounding)
 
 
-def _chunks(row0: int, rows: int, entry: PayloadEntry):
-    """``(trainer row of the chunk, its row count, first row of the block in it, rows of the
-    block in it)`` over the trainer's chunk grid, for the block of trainer rows
-    ``[row0, row0 + rows)`` (of one matrix of a stack). A dense update is elementwise (any
-    chunks give the same bits): chunks of about ``_DENSE_CHUNK`` elements."""
-    step = entry.chunk_rows if entry.lowrank else max(1, _DENSE_CHUNK // entry.k)
-    end = row0 + rows
-    start = row0 - row0 % step
-    while start < end:
-        stop = min(start + step, entry.d)
-        lo, hi = max(start, row0), min(stop, end)
-        yield start, stop - start, lo, hi - lo
-        start = stop
+@dataclass(frozen=True)
+class Stretch:
+    """What the receiver rebuilds in one call: trainer rows ``[row, row + n)`` (whole chunks
+    of the trainer's grid) of the matrix, of which the engine holds rows ``[lo, lo + m)`` x
+    columns ``[col0, col0 + cols)``. ``block``: that of one expert of a stack; ``experts``: a
+    range of experts of a :meth:`~ExpertPieces.whole` stack, whole matrices (``row`` and
+    ``lo`` 0, ``n`` and ``m`` ``d``)."""
+
+    row: int
+    n: int
+    lo: int
+    m: int
+    col0: int
+    cols: int
+    block: ExpertBlock | None = None
+    experts: range | None = None
+
+    def key(self, d: int) -> tuple[int, int, int, int]:
+        """The block of the trainer's ``[E d, k]`` matrix (``d x k`` for one) it holds."""
+        first = (self.experts.start if self.experts is not None
+                 else self.block.expert if self.block is not None else 0)
+        count = len(self.experts) if self.experts is not None else 1
+        return first * d + self.lo, count * self.m, self.col0, self.cols
+
+    @property
+    def matrices(self) -> int | range | None:
+        """The ``experts`` argument of :func:`write_chunk`."""
+        return self.experts if self.experts is not None else (
+            None if self.block is None else self.block.expert)
+
+
+def _cover(lo0: int, rows: int, col0: int, cols: int, d: int, k: int, step: int, span: int,
+           block: ExpertBlock | None = None) -> list[Stretch]:
+    """The stretches of a block of rows ``[lo0, lo0 + rows)`` x columns ``[col0, col0 +
+    cols)`` on the trainer's grid of ``step`` rows: the chunks a full-width block fills,
+    ``span`` rows (a multiple of ``step``) at a time, and one stretch per chunk the block
+    holds part of."""
+    end = lo0 + rows
+    a = b = lo0
+    if cols == k:
+        a, b = -(-lo0 // step) * step, end if end == d else end - end % step
+        a, b = (a, b) if a < b else (lo0, lo0)
+
+    def chunks(x, y):
+        start = x - x % step
+        while start < y:
+            stop = min(start + step, d)
+            lo, hi = max(start, x), min(stop, y)
+            yield Stretch(start, stop - start, lo, hi - lo, col0, cols, block)
+            start = stop
+
+    whole = [Stretch(r, min(r + span, b) - r, r, min(r + span, b) - r, col0, cols, block)
+             for r in range(a, b, span)]
+    return [*chunks(lo0, a), *whole, *chunks(b, end)]
+
+
+def stretches(piece: Piece | ExpertPieces, params, entry: PayloadEntry | None = None
+              ) -> list[Stretch]:
+    """The stretches ``piece`` is rebuilt in for ``entry`` (on its grid), or read in for a
+    fingerprint (``entry`` None: whole blocks)."""
+    step = span = 1 << 62
+    if entry is not None:
+        step = entry.chunk_rows if entry.lowrank else max(1, _DENSE_CHUNK // entry.k)
+        span = max(1, _SPAN // (step * piece.k)) * step
+    if isinstance(piece, Piece):
+        return _cover(piece.row0, piece.rows, piece.col0, piece.cols, piece.d, piece.k,
+                      step, span)
+    d, k = piece.d, piece.k
+    if piece.whole(params):
+        group = max(1, _SPAN // (d * k))
+        return [Stretch(0, d, 0, d, 0, k, experts=range(e, min(e + group, piece.count)))
+                for e in range(0, piece.count, group)]
+    return [s for b in piece.blocks
+            for s in _cover(b.row0, b.rows, b.col0, b.cols, d, k, step, span, b)]
+
+
+def _read(piece: Piece | ExpertPieces, s: Stretch, params) -> torch.Tensor:
+    """A contiguous copy of the engine's values of stretch ``s``: ``[m, cols]``, or ``[g, d,
+    k]`` for a range of experts."""
+    if s.experts is not None:
+        return piece.get_experts(params, s.experts)
+    if s.block is not None:
+        values = piece.get(params, s.block, s.lo - s.block.row0, s.m)
+    else:
+        values = piece.view(params)[s.lo - piece.row0:s.lo - piece.row0 + s.m]
+    return values.clone() if values._is_view() else values
+
+
+def _write(piece: Piece | ExpertPieces, s: Stretch, params, values: torch.Tensor) -> None:
+    """Store ``values`` (as :func:`_read` gives them) as the engine's values of ``s``."""
+    if s.experts is not None:
+        piece.put_experts(params, s.experts, values)
+    elif s.block is not None:
+        piece.put(params, s.block, s.lo - s.block.row0, values)
+    else:
+        piece.view(params)[s.lo - piece.row0:s.lo - piece.row0 + s.m].copy_(values)
+
+
+def _share(piece: Piece | ExpertPieces, s: Stretch, values: torch.Tensor) -> int:
+    """The fingerprint share of ``values`` of stretch ``s``."""
+    row0, _, col0, cols = s.key(piece.d)
+    return piece_fingerprint(values.reshape(-1, cols), row0, col0, piece.k)
+
+
+def _rebuild(entry: PayloadEntry, s: Stretch, old: torch.Tensor, projection) -> torch.Tensor:
+    """The values of stretch ``s`` after ``entry``'s update, from its values ``old`` (as
+    :func:`_read` gives them; consumed)."""
+    if (s.n, s.cols) == (s.m, entry.k):
+        write_chunk(old, entry, s.row, projection, s.matrices)
+        return old
+    work = torch.zeros(s.n, entry.k, dtype=old.dtype, device=old.device)
+    part = work[s.lo - s.row:s.lo - s.row + s.m, s.col0:s.col0 + s.cols]
+    part.copy_(old)
+    write_chunk(work, entry, s.row, projection, s.matrices)
+    return part
 
 
 class Receiver:
     """The rgc state of one engine worker: the weights it updates and the pending payload.
 
-    ``model`` is the worker's ``nn.Module`` (``worker.model_runner.model``).
+    ``model`` is the worker's ``nn.Module`` (``worker.model_runner.model``); ``keep_bytes``:
+    how much of a prepared payload's rebuilt values is kept for its commit (the rest is
+    rebuilt again at the commit).
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, keep_bytes: int = KEEP_BYTES):
         self.model = model
+        self.keep_bytes = keep_bytes
         self.step: int | None = None  # the last step applied; None after a full load
-        self.pending: tuple[int, list[tuple[PayloadEntry, Piece | ExpertPieces]]] | None = None
+        # (step, [(entry, piece, stretches, kept values or None per stretch, new shares)])
+        self.pending: tuple[int, list[tuple]] | None = None
         self._pieces: dict[str, Piece | ExpertPieces] = {}
+        # projections of the last payload, and of the one being applied
+        self._kept_projections: dict[tuple, torch.Tensor] = {}
+        self._used: dict[tuple, torch.Tensor] = {}
 
     def params(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters(remove_duplicate=False))
@@ -152,83 +282,66 @@ class Receiver:
                                f"but the engine's tensor is {piece.d} x {piece.k}")
         return piece
 
-    def _projection(self, entry: PayloadEntry, device, dtype):
+    def _projection(self, entry: PayloadEntry, params, piece):
+        """``P`` (``k x r``, the weight's dtype and device) of a low-rank ``entry``; made once
+        per payload and kept for the next one (a trainer keeps ``P`` for many steps)."""
         if not entry.lowrank:
             return None
-        spec = entry.projection
-        return make_projection(spec.kind, spec.k, spec.r, seed=spec.seed, device=device,
-                               dtype=dtype)
+        spec, weight = entry.projection, params[piece.param]
+        key = (spec, weight.dtype, weight.device)
+        if key not in self._used:
+            self._used[key] = self._kept_projections.get(key)
+            if self._used[key] is None:
+                self._used[key] = make_projection(spec.kind, spec.k, spec.r, seed=spec.seed,
+                                                  device=weight.device, dtype=weight.dtype)
+        return self._used[key]
 
     @torch.no_grad()
-    def _pass_stack(self, entry: PayloadEntry, pieces: ExpertPieces, params, *, write: bool,
-                    base: list[int] | None = None) -> list[int]:
-        """:meth:`_pass` for a stack of experts: each block's share (``base``: the shares as
-        the blocks are now, returned for experts the update leaves unchanged)."""
-        weight = params[pieces.param]
-        projection = self._projection(entry, weight.device, weight.dtype)
-        shares = []
-        for i, block in enumerate(pieces.blocks):
-            e = block.expert
-            key = pieces.key(block)
-            if _coefficients(entry, e) == (0.0, 0.0):  # the trainer left it bit-identical
-                shares.append(base[i] if base is not None else piece_fingerprint(
-                    pieces.get(params, block), key[0], block.col0, entry.k))
-                continue
-            share = 0
-            for row, n, lo, m in _chunks(block.row0, block.rows, entry):
-                work = torch.zeros(n, entry.k, dtype=weight.dtype, device=weight.device)
-                part = work[lo - row:lo - row + m, block.col0:block.col0 + block.cols]
-                part.copy_(pieces.get(params, block, lo - block.row0, m))
-                write_chunk(work, entry, row, projection, expert=e)
-                if write:
-                    pieces.put(params, block, lo - block.row0, part)
-                else:
-                    share += piece_fingerprint(part, e * entry.d + lo, block.col0, entry.k)
-            if write:
-                share = piece_fingerprint(pieces.get(params, block), key[0], block.col0,
-                                          entry.k)
-            shares.append(share)
-        return shares
+    def prepare_piece(self, entry: PayloadEntry, piece: Piece | ExpertPieces, params,
+                      budget: int | None = None) -> tuple[list, list]:
+        """Replay ``entry`` on copies of ``piece``'s stretches, writing nothing: ``([(key,
+        base share, new share)], [rebuilt values, or None past ``budget`` bytes])``."""
+        budget = self.keep_bytes if budget is None else budget
+        projection = self._projection(entry, params, piece)
+        shares, kept = [], []
+        for s in stretches(piece, params, entry):
+            old = _read(piece, s, params)
+            base = _share(piece, s, old)
+            new = _rebuild(entry, s, old, projection)
+            shares.append((s.key(piece.d), base, _share(piece, s, new)))
+            size = new.untyped_storage().nbytes()
+            kept.append(new if size <= budget else None)
+            budget -= size if size <= budget else 0
+        return shares, kept
+
+    @torch.no_grad()
+    def commit_piece(self, entry: PayloadEntry, piece: Piece | ExpertPieces, params,
+                     kept: list) -> list[tuple[tuple, int | None]]:
+        """Write ``entry``'s update into ``piece``: the ``kept`` values of
+        :meth:`prepare_piece` as they are, the others rebuilt again; ``[(key, share of the
+        written values or None where kept)]``."""
+        projection = self._projection(entry, params, piece)
+        written = []
+        for s, new in zip(stretches(piece, params, entry), kept, strict=True):
+            share = None
+            if new is None:
+                new = _rebuild(entry, s, _read(piece, s, params), projection)
+                share = _share(piece, s, new)
+            _write(piece, s, params, new)
+            written.append((s.key(piece.d), share))
+        return written
 
     def _shares(self, piece: Piece | ExpertPieces, params) -> list[tuple[tuple, int]]:
         """``[(key, fingerprint share)]`` of the blocks of ``piece`` as they are now."""
-        if isinstance(piece, ExpertPieces):
-            return [(piece.key(b), piece_fingerprint(piece.get(params, b), piece.key(b)[0],
-                                                     b.col0, piece.k))
-                    for b in piece.blocks]
-        return [(piece.key, piece_fingerprint(piece.view(params), piece.row0, piece.col0,
-                                              piece.k))]
-
-    @torch.no_grad()
-    def _pass(self, entry: PayloadEntry, piece: Piece, params, *, write: bool) -> int:
-        """Replay ``entry`` on ``piece``: into a scratch buffer (``write=False``; returns the
-        share of the fingerprint the piece would have) or in place (returns the new share)."""
-        view = piece.view(params)
-        projection = self._projection(entry, view.device, view.dtype)
-        share = 0
-        for row, n, lo, m in _chunks(piece.row0, piece.rows, entry):
-            local = view[lo - piece.row0:lo - piece.row0 + m]
-            if write and (n, piece.cols) == (m, entry.k):
-                write_chunk(local, entry, row, projection)
-                continue
-            work = torch.zeros(n, entry.k, dtype=view.dtype, device=view.device)
-            part = work[lo - row:lo - row + m, piece.col0:piece.col0 + piece.cols]
-            part.copy_(local)
-            write_chunk(work, entry, row, projection)
-            if write:
-                local.copy_(part)
-            else:
-                share += piece_fingerprint(part, lo, piece.col0, entry.k)
-        if write:
-            share = piece_fingerprint(view, piece.row0, piece.col0, entry.k)
-        return share
+        return [(s.key(piece.d), _share(piece, s, _read(piece, s, params)))
+                for s in stretches(piece, params)]
 
     def prepare(self, payload: dict[str, torch.Tensor]) -> dict:
         """Check ``payload`` and compute, without writing, each piece's fingerprint shares.
 
         Returns ``{"step", "last_step", "shares": {name: [[key, base share, new share],
-        ...]}}`` (one item per block: a stack of experts has several); the payload stays
-        pending until :meth:`commit` or :meth:`discard`.
+        ...]}}`` (one item per stretch); the payload stays pending until :meth:`commit` or
+        :meth:`discard`.
         """
         self.pending = None
         decoded = decode(payload)
@@ -242,35 +355,29 @@ class Receiver:
                                "push_weights")
         params = self.params()
         planned = [(e, self._checked_piece(e, params)) for e in decoded.entries]
-        shares = {}
+        self._kept_projections, self._used = self._used or self._kept_projections, {}
+        shares, pending, budget = {}, [], self.keep_bytes
         for entry, piece in planned:
-            base = self._shares(piece, params)
-            if isinstance(piece, ExpertPieces):
-                new = self._pass_stack(entry, piece, params, write=False,
-                                       base=[s for _, s in base])
-            else:
-                new = [self._pass(entry, piece, params, write=False)]
-            shares[entry.name] = [[list(key), b, n] for (key, b), n in zip(base, new,
-                                                                          strict=True)]
-        self.pending = (step, planned)
+            items, kept = self.prepare_piece(entry, piece, params, budget)
+            budget -= sum(v.untyped_storage().nbytes() for v in kept if v is not None)
+            shares[entry.name] = [[list(key), b, n] for key, b, n in items]
+            pending.append((entry, piece, kept, [n for _, _, n in items]))
+        self.pending = (step, pending)
         return {"step": step, "last_step": self.step, "shares": shares}
 
     def commit(self, step: int) -> dict:
         """Write the pending payload of ``step``; returns ``{"shares": {name: [[key, share],
-        ...]}}`` of the written blocks."""
+        ...]}}`` of the written stretches."""
         if self.pending is None or self.pending[0] != step:
             raise PayloadError(f"no prepared payload of step {step} to commit")
-        _, planned = self.pending
+        _, pending = self.pending
         self.pending = None
         params = self.params()
         shares = {}
-        for entry, piece in planned:
-            if isinstance(piece, ExpertPieces):
-                written = zip([piece.key(b) for b in piece.blocks],
-                              self._pass_stack(entry, piece, params, write=True), strict=True)
-            else:
-                written = [(piece.key, self._pass(entry, piece, params, write=True))]
-            shares[entry.name] = [[list(key), share] for key, share in written]
+        for entry, piece, kept, new in pending:
+            written = self.commit_piece(entry, piece, params, kept)
+            shares[entry.name] = [[list(key), n if share is None else share]
+                                  for (key, share), n in zip(written, new, strict=True)]
         self.step = step
         return {"shares": shares}
 
