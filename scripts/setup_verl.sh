@@ -14,6 +14,8 @@ if [ ! -x .venv-verl/bin/python ]; then
 fi
 pip_install() { .venv-verl/bin/python -m pip install -q --disable-pip-version-check "$@"; }
 pip_install "torch==2.13.0"  # the CPU build, as in setup.sh
-pip_install -e ".[dev,hf,verl]"
-.venv-verl/bin/python -c "import verl.workers.engine" >/dev/null
+# verl imports a rollout server module (uvicorn, fastapi) from its training workers but does
+# not require them
+pip_install -e ".[dev,hf,verl]" uvicorn fastapi
+.venv-verl/bin/python -c "import verl.workers.engine_workers" >/dev/null
 echo "$want" > "$stamp"

@@ -1,0 +1,19 @@
+"""verl (>= 0.9.1, < 0.10): its FSDP2 training engine with rgc's sketched weights and optimizers.
+
+Importing this package registers :class:`RGCFSDPEngine` with verl's engine registry; pass it
+as verl's ``external_lib`` (``actor_rollout_ref.model.external_lib=rgc.integrations.verl``) and
+set ``VERL_ENGINE_VENDOR=rgc`` in the workers' environment. See docs/verl.md for the overrides.
+:mod:`rgc.integrations.verl.cpu` is a CPU platform for verl (tests, small experiments), chosen
+with ``VERL_PLATFORM=cpu``; it is registered here, before verl's engines ask for their platform.
+"""
+
+from rgc.integrations.verl import cpu  # noqa: F401  (registers the platform first)
+from rgc.integrations.verl.engine import (
+    OPTIMIZERS,
+    OVERRIDE_KEYS,
+    VENDOR,
+    RGCFSDPEngine,
+    check_config,
+)
+
+__all__ = ["OPTIMIZERS", "OVERRIDE_KEYS", "VENDOR", "RGCFSDPEngine", "check_config"]

@@ -1,0 +1,266 @@
+"""verl's FSDP2 training engine with rgc (rgc.integrations.verl) on 2 CPU processes (gloo).
+
+Runs in .venv-verl (scripts/setup_verl.sh; verl pins an older transformers), skipped where verl
+is not installed. Each worker builds verl's ``TrainingWorker`` (as verl's SFT trainer does)
+from verl's config dataclasses on the CPU platform (``VERL_PLATFORM=cpu``), with
+``external_lib=rgc.integrations.verl`` and ``VERL_ENGINE_VENDOR=rgc``, and trains a tiny BF16
+Qwen3 for a few steps with verl's SFT loss; then, in the same processes, a plain rgc loop
+(transformers model, ``rgc.wrap``, ``fully_shard``, ``rgc.DistributedRowAdam``, the same seeds,
+the same micro-batches and the same loss) trains a second copy. The weights must be
+bit-identical, and the ``grad_norm`` verl logged must be the norm rgc's optimizer measured.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("verl", reason="verl is not installed (scripts/setup_verl.sh)")
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+STEPS = 3
+BATCH = 8  # sequences per step, over both ranks
+MICRO = 2  # micro-batch size per rank: 2 micro-batches per rank and step
+RANK = 4
+SEED = 3
+LR = 2e-3
+CLIP = 0.05  # below the norms of this model: every step is clipped
+VOCAB = 48
+TIMEOUT_S = 300
+
+
+def _save_model(path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+
+
+def _sequences(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(input_ids, loss_mask)`` of the step's sequences: a prompt (mask 0), a response (1)."""
+    gen = torch.Generator().manual_seed(100 + step)
+    out = []
+    for _ in range(BATCH):
+        prompt = int(torch.randint(2, 6, (), generator=gen))
+        response = int(torch.randint(3, 8, (), generator=gen))
+        ids = torch.randint(3, VOCAB, (prompt + response,), generator=gen)
+        mask = torch.cat([torch.zeros(prompt, dtype=torch.long),
+                          torch.ones(response, dtype=torch.long)])
+        out.append((ids, mask))
+    return out
+
+
+def _share(seqs: list, rank: int) -> list:
+    per = BATCH // WORLD
+    return seqs[rank * per:(rank + 1) * per]
+
+
+def _nested(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nested.as_nested_tensor(tensors, layout=torch.jagged)
+
+
+def _tensordict(seqs: list):
+    from verl.utils import tensordict_utils as tu
+
+    ids = [s[0] for s in seqs]
+    data = {"input_ids": _nested(ids),
+            "position_ids": _nested([torch.arange(len(i)) for i in ids]),
+            "loss_mask": _nested([s[1] for s in seqs])}
+    meta = {"use_remove_padding": False, "use_dynamic_bsz": False,
+            "micro_batch_size_per_gpu": MICRO, "temperature": 1.0, "pad_mode": "no_padding",
+            "pad_token_id": 0, "global_batch_size": BATCH, "update_lr_scheduler": True}
+    return tu.get_tensordict(tensor_dict=data, non_tensor_dict=meta)
+
+
+def _configs(model_dir: Path, ckpt_dir: Path):
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+
+    model = HFModelConfig(path=str(model_dir), external_lib="rgc.integrations.verl",
+                          override_config={"attn_implementation": "eager"},
+                          use_remove_padding=False, enable_gradient_checkpointing=True)
+    engine = FSDPEngineConfig(strategy="fsdp2", model_dtype="bfloat16", seed=SEED,
+                              use_torch_compile=False)
+    optim = FSDPOptimizerConfig(optimizer="RowAdam", lr=LR, clip_grad=CLIP,
+                                weight_decay=0.01, total_training_steps=STEPS,
+                                override_optimizer_config={"rank": RANK, "seed": SEED})
+    return model, engine, optim, CheckpointConfig()
+
+
+def _full_state(module) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in module.state_dict().items()}
+
+
+def _train_verl(rank: int, out: Path) -> dict:
+    from verl.workers.engine_workers import TrainingWorker, TrainingWorkerConfig
+    from verl.workers.utils.losses import sft_loss
+
+    model, engine, optim, ckpt = _configs(out / "model", out / "ckpt")
+    worker = TrainingWorker(TrainingWorkerConfig(
+        model_type="language_model", model_config=model, engine_config=engine,
+        optimizer_config=optim, checkpoint_config=ckpt))
+    worker.set_loss_fn(lambda **kw: sft_loss(config=None, **kw))
+    worker.reset()
+    eng = worker.engine
+    metrics = []
+    for step in range(STEPS):
+        output = worker.train_batch(_tensordict(_share(_sequences(step), rank)))
+        metrics.append(dict(output["metrics"]))
+    return {"engine": type(eng).__name__, "optimizer": type(eng.optimizer).__name__,
+            "metrics": metrics, "weights": _full_state(eng.module),
+            "compressed": len(__import__("rgc").sketched_weights(eng.module))}
+
+
+def _loss(model, seqs: list, batch_tokens: int) -> torch.Tensor:
+    """verl's SFT loss on a padded batch, as its engine computes it (eager attention)."""
+    from verl.utils.torch_functional import logprobs_from_logits
+
+    ids = [s[0] for s in seqs]
+    longest = max(len(i) for i in ids)
+    padded = torch.zeros(len(ids), longest, dtype=torch.long)
+    attn = torch.zeros(len(ids), longest, dtype=torch.long)
+    pos = torch.zeros(len(ids), longest, dtype=torch.long)
+    for b, i in enumerate(ids):
+        padded[b, :len(i)] = i
+        attn[b, :len(i)] = 1
+        pos[b, :len(i)] = torch.arange(len(i))
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        logits = model(input_ids=padded, attention_mask=attn, position_ids=pos,
+                       use_cache=False).logits
+        flat = torch.cat([logits[b, :len(i)] for b, i in enumerate(ids)])
+        labels = torch.roll(torch.cat(ids), shifts=-1, dims=0)
+        logp = logprobs_from_logits(logits=flat, labels=labels)
+        mask = torch.roll(torch.cat([s[1] for s in seqs]), shifts=-1, dims=0)
+        return -(logp * mask).sum() / batch_tokens * WORLD
+
+
+def _train_plain(rank: int, out: Path, clip: float | None = CLIP) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    import rgc
+
+    model = AutoModelForCausalLM.from_pretrained(out / "model", torch_dtype=torch.bfloat16,
+                                                 attn_implementation="eager")
+    model.to(torch.bfloat16)  # as verl's engine does: buffers too (the rotary inv_freq)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    rgc.wrap(model, RANK, seed=SEED)
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                     cast_forward_inputs=True)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp_policy, reshard_after_forward=True)
+    fully_shard(model, mp_policy=mp_policy, reshard_after_forward=True)
+    model.train()
+    initial = _full_state(model)
+    opt = rgc.DistributedRowAdam([p for p in model.parameters() if p.requires_grad], lr=LR,
+                                 betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, seed=SEED)
+    norms = []
+    for step in range(STEPS):
+        seqs = _sequences(step)
+        tokens = int(sum(int(s[1].sum()) for s in seqs))
+        mine = _share(seqs, rank)
+        for m in range(0, len(mine), MICRO):
+            _loss(model, mine[m:m + MICRO], tokens).backward()
+        norm = opt.clip_at_step(clip or float("inf"))
+        opt.step()
+        opt.zero_grad()
+        norms.append(float(norm))
+    return {"norms": norms, "weights": _full_state(model), "initial": initial}
+
+
+def _worker(rank: int, out: Path) -> None:
+    records = {"verl": _train_verl(rank, out), "plain": _train_plain(rank, out),
+               "unclipped": _train_plain(rank, out, clip=None)}
+    torch.save(records, out / f"rank{rank}.pt")
+
+
+def _entry(rank: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK="0",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    torch.set_num_threads(1)
+    try:
+        import rgc.integrations.verl  # noqa: F401  (registers the CPU platform first)
+
+        torch.distributed.init_process_group("gloo", init_method=f"file://{out}/store",
+                                             rank=rank, world_size=WORLD)
+        _worker(rank, Path(out))
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    except BaseException:
+        (Path(out) / f"error{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("verl")
+    _save_model(out / "model")
+    saved = {k: os.environ.get(k) for k in ("VERL_PLATFORM", "VERL_ENGINE_VENDOR")}
+    os.environ.update(VERL_PLATFORM="cpu", VERL_ENGINE_VENDOR="rgc")
+    try:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_entry, args=(r, str(out))) for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(TIMEOUT_S)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    errors = [f.read_text() for f in sorted(out.glob("error*.txt"))]
+    assert not errors, "\n".join(errors)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def test_verl_builds_the_rgc_engine_and_optimizer(runs):
+    for record in runs:
+        assert record["verl"]["engine"] == "RGCFSDPEngine"
+        assert record["verl"]["optimizer"] == "DistributedRowAdam"
+        assert record["verl"]["compressed"] == 2 * 7  # q k v o gate up down, per layer
+
+
+def test_weights_equal_a_plain_rgc_run(runs):
+    for record in runs:
+        verl_w, plain_w = record["verl"]["weights"], record["plain"]["weights"]
+        assert verl_w.keys() == plain_w.keys()
+        for name in verl_w:
+            assert torch.equal(verl_w[name], plain_w[name]), name
+    trained, initial = runs[0]["verl"]["weights"], runs[0]["plain"]["initial"]
+    assert any(not torch.equal(trained[k], v) for k, v in initial.items()), "nothing trained"
+
+
+def test_grad_norm_is_rgcs_and_clipping_applies(runs):
+    rank0 = runs[0]
+    logged = [m["grad_norm"] for m in rank0["verl"]["metrics"]]
+    assert all(n > CLIP for n in logged), logged  # measured before clipping, non-zero
+    assert logged == rank0["plain"]["norms"]  # the same floats
+    assert rank0["unclipped"]["norms"][0] == logged[0]  # the same first gradient, unclipped
+    clipped, unclipped = rank0["verl"]["weights"], rank0["unclipped"]["weights"]
+    assert any(not torch.equal(clipped[k], unclipped[k]) for k in clipped), "clip_grad ignored"
+    assert all(all(v == 0 for v in m["rgc/skipped_updates"]) for m in rank0["verl"]["metrics"])
