@@ -12,6 +12,7 @@ bit-identical, and the ``grad_norm`` verl logged must be the norm rgc's optimize
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import traceback
@@ -89,7 +90,7 @@ def _tensordict(seqs: list):
     return tu.get_tensordict(tensor_dict=data, non_tensor_dict=meta)
 
 
-def _configs(model_dir: Path, ckpt_dir: Path):
+def _configs(model_dir: Path):
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
 
@@ -113,7 +114,7 @@ def _train_verl(rank: int, out: Path) -> dict:
     from verl.workers.engine_workers import TrainingWorker, TrainingWorkerConfig
     from verl.workers.utils.losses import sft_loss
 
-    model, engine, optim, ckpt = _configs(out / "model", out / "ckpt")
+    model, engine, optim, ckpt = _configs(out / "model")
     worker = TrainingWorker(TrainingWorkerConfig(
         model_type="language_model", model_config=model, engine_config=engine,
         optimizer_config=optim, checkpoint_config=ckpt))
@@ -124,9 +125,19 @@ def _train_verl(rank: int, out: Path) -> dict:
     for step in range(STEPS):
         output = worker.train_batch(_tensordict(_share(_sequences(step), rank)))
         metrics.append(dict(output["metrics"]))
+    weights = _full_state(eng.module)
+    # a step whose loss is NaN: every sketch is non-finite, every update is skipped
+    worker.set_loss_fn(lambda **kw: _times_nan(*sft_loss(config=None, **kw)))
+    output = worker.train_batch(_tensordict(_share(_sequences(STEPS), rank)))
     return {"engine": type(eng).__name__, "optimizer": type(eng.optimizer).__name__,
-            "metrics": metrics, "weights": _full_state(eng.module),
+            "metrics": metrics, "weights": weights, "nan_metrics": dict(output["metrics"]),
+            "nan_step_kept_weights": all(torch.equal(v, weights[k])
+                                         for k, v in _full_state(eng.module).items()),
             "compressed": len(__import__("rgc").sketched_weights(eng.module))}
+
+
+def _times_nan(loss: torch.Tensor, metrics: dict) -> tuple[torch.Tensor, dict]:
+    return loss * float("nan"), metrics
 
 
 def _loss(model, seqs: list, batch_tokens: int) -> torch.Tensor:
@@ -210,9 +221,15 @@ def _entry(rank: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("verl")
-    _save_model(out / "model")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("verl") / "model"
+    _save_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir):
+    out = model_dir.parent
     saved = {k: os.environ.get(k) for k in ("VERL_PLATFORM", "VERL_ENGINE_VENDOR")}
     os.environ.update(VERL_PLATFORM="cpu", VERL_ENGINE_VENDOR="rgc")
     try:
@@ -245,6 +262,14 @@ def test_verl_builds_the_rgc_engine_and_optimizer(runs):
         assert record["verl"]["compressed"] == 2 * 7  # q k v o gate up down, per layer
 
 
+def test_a_non_finite_step_is_skipped_and_counted(runs):
+    for record in runs:
+        nan = record["verl"]["nan_metrics"]
+        assert record["verl"]["nan_step_kept_weights"]
+        assert math.isnan(nan["grad_norm"])
+        assert nan["rgc/skipped_updates"] == [14, 14]  # every matrix, on both ranks
+
+
 def test_weights_equal_a_plain_rgc_run(runs):
     for record in runs:
         verl_w, plain_w = record["verl"]["weights"], record["plain"]["weights"]
@@ -264,3 +289,39 @@ def test_grad_norm_is_rgcs_and_clipping_applies(runs):
     clipped, unclipped = rank0["verl"]["weights"], rank0["unclipped"]["weights"]
     assert any(not torch.equal(clipped[k], unclipped[k]) for k in clipped), "clip_grad ignored"
     assert all(all(v == 0 for v in m["rgc/skipped_updates"]) for m in rank0["verl"]["metrics"])
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"engine": {"strategy": "fsdp"}}, "strategy='fsdp'"),
+    ({"engine": {"model_dtype": "fp32"}}, "model_dtype='fp32'"),
+    ({"engine": {"mixed_precision": {"param_dtype": "fp16"}}}, "param_dtype"),
+    ({"engine": {"param_offload": True}}, "param_offload=True"),
+    ({"engine": {"optimizer_offload": True}}, "optimizer_offload=True"),
+    ({"engine": {"offload_policy": True}}, "offload_policy=True"),
+    ({"engine": {"fsdp_size": 1}}, "HSDP"),
+    ({"engine": {"ulysses_sequence_parallel_size": 2}}, "ulysses"),
+    ({"model": {"lora_rank": 8}}, "lora_rank"),
+    ({"optim": {"optimizer": "AdamW"}}, "optim.optimizer='AdamW'"),
+    ({"optim": {"override_optimizer_config": {"seed": 1}}}, "rank=None"),
+    ({"optim": {"override_optimizer_config": {"rank": 4, "rnak": 1}}}, "['rnak']"),
+    ({"optim": {"override_optimizer_config": {"rank": 4, "preset": "galore"}}}, "preset"),
+])
+def test_configurations_rgc_cannot_serve_are_refused(model_dir, change, words):
+    from dataclasses import replace
+
+    from rgc.integrations.verl import check_config
+
+    model, engine, optim, _ = _configs(model_dir)
+    model = replace(model, **change.get("model", {}))
+    engine = replace(engine, **change.get("engine", {}))
+    optim = replace(optim, **change.get("optim", {}))
+    with pytest.raises(ValueError, match="cannot serve") as err:
+        check_config(model, engine, optim, world_size=WORLD)
+    assert words in str(err.value)
+
+
+def test_the_test_configuration_is_served(model_dir):
+    from rgc.integrations.verl import check_config
+
+    model, engine, optim, _ = _configs(model_dir)
+    assert check_config(model, engine, optim, world_size=WORLD) == {"rank": RANK, "seed": SEED}
