@@ -110,7 +110,7 @@ def _full_state(module) -> dict[str, torch.Tensor]:
             for k, v in module.state_dict().items()}
 
 
-def _train_verl(rank: int, out: Path) -> dict:
+def _training_worker(out: Path):
     from verl.workers.engine_workers import TrainingWorker, TrainingWorkerConfig
     from verl.workers.utils.losses import sft_loss
 
@@ -120,20 +120,41 @@ def _train_verl(rank: int, out: Path) -> dict:
         optimizer_config=optim, checkpoint_config=ckpt))
     worker.set_loss_fn(lambda **kw: sft_loss(config=None, **kw))
     worker.reset()
+    return worker
+
+
+def _train_verl(rank: int, out: Path) -> dict:
+    from verl.workers.utils.losses import sft_loss
+
+    worker = _training_worker(out)
     eng = worker.engine
     metrics = []
     for step in range(STEPS):
         output = worker.train_batch(_tensordict(_share(_sequences(step), rank)))
         metrics.append(dict(output["metrics"]))
     weights = _full_state(eng.module)
+    # verl's checkpoint manager: model and optimizer shards, scheduler and RNG, per rank
+    eng.save_checkpoint(local_path=str(out / "ckpt"), global_step=STEPS)
+    worker.train_batch(_tensordict(_share(_sequences(STEPS), rank)))
+    after_save = _full_state(eng.module)
     # a step whose loss is NaN: every sketch is non-finite, every update is skipped
     worker.set_loss_fn(lambda **kw: _times_nan(*sft_loss(config=None, **kw)))
-    output = worker.train_batch(_tensordict(_share(_sequences(STEPS), rank)))
+    output = worker.train_batch(_tensordict(_share(_sequences(STEPS + 1), rank)))
     return {"engine": type(eng).__name__, "optimizer": type(eng.optimizer).__name__,
-            "metrics": metrics, "weights": weights, "nan_metrics": dict(output["metrics"]),
-            "nan_step_kept_weights": all(torch.equal(v, weights[k])
+            "metrics": metrics, "weights": weights, "after_save": after_save,
+            "nan_metrics": dict(output["metrics"]),
+            "nan_step_kept_weights": all(torch.equal(v, after_save[k])
                                          for k, v in _full_state(eng.module).items()),
             "compressed": len(__import__("rgc").sketched_weights(eng.module))}
+
+
+def _resume_verl(rank: int, out: Path) -> dict:
+    """A new engine, loaded from the checkpoint, trains the step after it."""
+    worker = _training_worker(out)
+    worker.engine.load_checkpoint(local_path=str(out / "ckpt"))
+    loaded = _full_state(worker.engine.module)
+    worker.train_batch(_tensordict(_share(_sequences(STEPS), rank)))
+    return {"loaded": loaded, "after_save": _full_state(worker.engine.module)}
 
 
 def _times_nan(loss: torch.Tensor, metrics: dict) -> tuple[torch.Tensor, dict]:
@@ -198,7 +219,8 @@ def _train_plain(rank: int, out: Path, clip: float | None = CLIP) -> dict:
 
 
 def _worker(rank: int, out: Path) -> None:
-    records = {"verl": _train_verl(rank, out), "plain": _train_plain(rank, out),
+    records = {"verl": _train_verl(rank, out), "resumed": _resume_verl(rank, out),
+               "plain": _train_plain(rank, out),
                "unclipped": _train_plain(rank, out, clip=None)}
     torch.save(records, out / f"rank{rank}.pt")
 
@@ -268,6 +290,17 @@ def test_a_non_finite_step_is_skipped_and_counted(runs):
         assert record["verl"]["nan_step_kept_weights"]
         assert math.isnan(nan["grad_norm"])
         assert nan["rgc/skipped_updates"] == [14, 14]  # every matrix, on both ranks
+
+
+def test_a_resumed_run_continues_bit_identically(runs):
+    for record in runs:
+        saved, resumed = record["verl"], record["resumed"]
+        for name, value in saved["weights"].items():
+            assert torch.equal(resumed["loaded"][name], value), name
+        for name, value in saved["after_save"].items():
+            assert torch.equal(resumed["after_save"][name], value), name
+    assert any(not torch.equal(runs[0]["verl"]["after_save"][k], v)
+               for k, v in runs[0]["verl"]["weights"].items())
 
 
 def test_weights_equal_a_plain_rgc_run(runs):
