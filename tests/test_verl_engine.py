@@ -133,6 +133,9 @@ def _train_verl(rank: int, out: Path) -> dict:
         output = worker.train_batch(_tensordict(_share(_sequences(step), rank)))
         metrics.append(dict(output["metrics"]))
     weights = _full_state(eng.module)
+    # what verl's full-weight sync sends a rollout engine
+    params, peft = eng.get_per_tensor_param()
+    exported = {name: tensor.detach().clone() for name, tensor in params}
     # verl's checkpoint manager: model and optimizer shards, scheduler and RNG, per rank
     eng.save_checkpoint(local_path=str(out / "ckpt"), global_step=STEPS)
     worker.train_batch(_tensordict(_share(_sequences(STEPS), rank)))
@@ -142,6 +145,7 @@ def _train_verl(rank: int, out: Path) -> dict:
     output = worker.train_batch(_tensordict(_share(_sequences(STEPS + 1), rank)))
     return {"engine": type(eng).__name__, "optimizer": type(eng.optimizer).__name__,
             "metrics": metrics, "weights": weights, "after_save": after_save,
+            "exported": exported, "peft": peft,
             "nan_metrics": dict(output["metrics"]),
             "nan_step_kept_weights": all(torch.equal(v, after_save[k])
                                          for k, v in _full_state(eng.module).items()),
@@ -301,6 +305,19 @@ def test_a_resumed_run_continues_bit_identically(runs):
             assert torch.equal(resumed["after_save"][name], value), name
     assert any(not torch.equal(runs[0]["verl"]["after_save"][k], v)
                for k, v in runs[0]["verl"]["weights"].items())
+
+
+def test_the_full_weight_sync_sends_the_original_keys(runs, model_dir):
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    for record in runs:
+        exported = record["verl"]["exported"]
+        assert record["verl"]["peft"] is None
+        assert set(exported) == keys
+        for name, value in exported.items():
+            assert torch.equal(value, record["verl"]["weights"][name]), name
 
 
 def test_weights_equal_a_plain_rgc_run(runs):
