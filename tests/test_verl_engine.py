@@ -35,6 +35,9 @@ LR = 2e-3
 CLIP = 0.05  # below the norms of this model: every step is clipped
 VOCAB = 48
 TIMEOUT_S = 300
+TAU = 1e-2  # RGCOptimizer's relative step
+KL_BUDGET = 1e-6  # PredictedKL's budget per step: small enough to shorten these steps
+KL_STEPS = 2
 
 
 def _save_model(path: Path) -> None:
@@ -90,7 +93,7 @@ def _tensordict(seqs: list):
     return tu.get_tensordict(tensor_dict=data, non_tensor_dict=meta)
 
 
-def _configs(model_dir: Path):
+def _configs(model_dir: Path, optimizer: str = "RowAdam", lr: float = LR, **options):
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
 
@@ -99,9 +102,9 @@ def _configs(model_dir: Path):
                           use_remove_padding=False, enable_gradient_checkpointing=True)
     engine = FSDPEngineConfig(strategy="fsdp2", model_dtype="bfloat16", seed=SEED,
                               use_torch_compile=False)
-    optim = FSDPOptimizerConfig(optimizer="RowAdam", lr=LR, clip_grad=CLIP,
+    optim = FSDPOptimizerConfig(optimizer=optimizer, lr=lr, clip_grad=CLIP,
                                 weight_decay=0.01, total_training_steps=STEPS,
-                                override_optimizer_config={"rank": RANK, "seed": SEED})
+                                override_optimizer_config={"rank": RANK, "seed": SEED, **options})
     return model, engine, optim, CheckpointConfig()
 
 
@@ -110,11 +113,11 @@ def _full_state(module) -> dict[str, torch.Tensor]:
             for k, v in module.state_dict().items()}
 
 
-def _training_worker(out: Path):
+def _training_worker(out: Path, **options):
     from verl.workers.engine_workers import TrainingWorker, TrainingWorkerConfig
     from verl.workers.utils.losses import sft_loss
 
-    model, engine, optim, ckpt = _configs(out / "model")
+    model, engine, optim, ckpt = _configs(out / "model", **options)
     worker = TrainingWorker(TrainingWorkerConfig(
         model_type="language_model", model_config=model, engine_config=engine,
         optimizer_config=optim, checkpoint_config=ckpt))
@@ -165,14 +168,15 @@ def _times_nan(loss: torch.Tensor, metrics: dict) -> tuple[torch.Tensor, dict]:
     return loss * float("nan"), metrics
 
 
-def _loss(model, seqs: list, batch_tokens: int) -> torch.Tensor:
-    """verl's SFT loss on a padded batch, as its engine computes it (eager attention)."""
+def _loss(model, seqs: list, batch_tokens: int) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """verl's SFT loss on a padded batch, as its engine computes it (eager attention), and the
+    probe of PredictedKL the engine takes from it (its inputs, the shifted loss mask)."""
     from verl.utils.torch_functional import logprobs_from_logits
 
     ids = [s[0] for s in seqs]
     longest = max(len(i) for i in ids)
     padded = torch.zeros(len(ids), longest, dtype=torch.long)
-    attn = torch.zeros(len(ids), longest, dtype=torch.long)
+    attn = torch.zeros(len(ids), longest, dtype=torch.int32)
     pos = torch.zeros(len(ids), longest, dtype=torch.long)
     for b, i in enumerate(ids):
         padded[b, :len(i)] = i
@@ -185,10 +189,17 @@ def _loss(model, seqs: list, batch_tokens: int) -> torch.Tensor:
         labels = torch.roll(torch.cat(ids), shifts=-1, dims=0)
         logp = logprobs_from_logits(logits=flat, labels=labels)
         mask = torch.roll(torch.cat([s[1] for s in seqs]), shifts=-1, dims=0)
-        return -(logp * mask).sum() / batch_tokens * WORLD
+        loss = -(logp * mask).sum() / batch_tokens * WORLD
+    tokens = torch.zeros(len(ids), longest, dtype=torch.bool)
+    for b, s in enumerate(seqs):
+        tokens[b, :len(s[1]) - 1] = s[1][1:].bool()
+    inputs = {"input_ids": padded, "attention_mask": attn, "position_ids": pos,
+              "use_cache": False}
+    return loss, inputs, tokens
 
 
-def _train_plain(rank: int, out: Path, clip: float | None = CLIP) -> dict:
+def _train_plain(rank: int, out: Path, clip: float | None = CLIP, rule: str = "RowAdam",
+                 lr: float = LR, control: dict | None = None, steps: int = STEPS) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
@@ -206,26 +217,51 @@ def _train_plain(rank: int, out: Path, clip: float | None = CLIP) -> dict:
     fully_shard(model, mp_policy=mp_policy, reshard_after_forward=True)
     model.train()
     initial = _full_state(model)
-    opt = rgc.DistributedRowAdam([p for p in model.parameters() if p.requires_grad], lr=LR,
-                                 betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, seed=SEED)
+    params = [p for p in model.parameters() if p.requires_grad]
+    ctl = rgc.PredictedKL(**control) if control else None
+    if rule == "RowAdam":
+        opt = rgc.DistributedRowAdam(params, lr=lr, betas=(0.9, 0.999), eps=1e-8,
+                                     weight_decay=0.01, seed=SEED, step_control=ctl)
+    else:
+        opt = rgc.DistributedRGCOptimizer(params, lr=lr, weight_decay=0.01, seed=SEED,
+                                          step_control=ctl)
     norms = []
-    for step in range(STEPS):
+    for step in range(steps):
         seqs = _sequences(step)
         tokens = int(sum(int(s[1].sum()) for s in seqs))
         mine = _share(seqs, rank)
         for m in range(0, len(mine), MICRO):
-            _loss(model, mine[m:m + MICRO], tokens).backward()
+            loss, probe, probe_mask = _loss(model, mine[m:m + MICRO], tokens)
+            loss.backward()
         norm = opt.clip_at_step(clip or float("inf"))
+        if ctl is not None:
+            ctl.set_probe(model, probe, token_mask=probe_mask)
         opt.step()
         opt.zero_grad()
         norms.append(float(norm))
-    return {"norms": norms, "weights": _full_state(model), "initial": initial}
+    return {"norms": norms, "weights": _full_state(model), "initial": initial,
+            "alphas": [r["alpha"] for r in ctl.history] if ctl else None}
+
+
+def _train_verl_kl(rank: int, out: Path) -> dict:
+    """RGCOptimizer with a PredictedKL step controller from the optimizer config."""
+    worker = _training_worker(out, optimizer="RGCOptimizer", lr=TAU,
+                              step_control={"budget": KL_BUDGET})
+    metrics = []
+    for step in range(KL_STEPS):
+        output = worker.train_batch(_tensordict(_share(_sequences(step), rank)))
+        metrics.append(dict(output["metrics"]))
+    return {"optimizer": type(worker.engine.optimizer).__name__, "metrics": metrics,
+            "weights": _full_state(worker.engine.module)}
 
 
 def _worker(rank: int, out: Path) -> None:
     records = {"verl": _train_verl(rank, out), "resumed": _resume_verl(rank, out),
                "plain": _train_plain(rank, out),
-               "unclipped": _train_plain(rank, out, clip=None)}
+               "unclipped": _train_plain(rank, out, clip=None),
+               "verl_kl": _train_verl_kl(rank, out),
+               "plain_kl": _train_plain(rank, out, rule="RGCOptimizer", lr=TAU,
+                                        control={"budget": KL_BUDGET}, steps=KL_STEPS)}
     torch.save(records, out / f"rank{rank}.pt")
 
 
@@ -318,6 +354,20 @@ def test_the_full_weight_sync_sends_the_original_keys(runs, model_dir):
         assert set(exported) == keys
         for name, value in exported.items():
             assert torch.equal(value, record["verl"]["weights"][name]), name
+
+
+def test_predicted_kl_from_the_optimizer_config(runs):
+    for record in runs:
+        verl, plain = record["verl_kl"], record["plain_kl"]
+        assert verl["optimizer"] == "DistributedRGCOptimizer"
+        per_rank = [m["rgc/alpha"] for m in verl["metrics"]]  # verl gathers metrics over ranks
+        alphas = [a for a, _ in per_rank]
+        assert per_rank == [[a, a] for a in alphas]
+        assert alphas == plain["alphas"]
+        assert all(0 < a < 1 for a in alphas), alphas  # the budget shortened every step
+        assert all(min(m["rgc/realised_kl"]) > 0 for m in verl["metrics"])
+        for name, value in verl["weights"].items():
+            assert torch.equal(value, plain["weights"][name]), name
 
 
 def test_weights_equal_a_plain_rgc_run(runs):

@@ -7,6 +7,9 @@ set ``VERL_ENGINE_VENDOR=rgc`` in the workers' environment. See docs/verl.md for
 with ``VERL_PLATFORM=cpu``; it is registered here, before verl's engines ask for their platform.
 """
 
+import os
+import warnings
+
 from rgc.integrations.verl import cpu  # noqa: F401  (registers the platform first)
 from rgc.integrations.verl.engine import (
     OPTIMIZERS,
@@ -15,5 +18,11 @@ from rgc.integrations.verl.engine import (
     RGCFSDPEngine,
     check_config,
 )
+
+if os.environ.get("VERL_ENGINE_VENDOR") != VENDOR:
+    warnings.warn(f"rgc.integrations.verl is imported but VERL_ENGINE_VENDOR is "
+                  f"{os.environ.get('VERL_ENGINE_VENDOR')!r}, not {VENDOR!r}: verl will build its "
+                  "own FSDP engine, without rgc, in this process (see docs/verl.md)",
+                  UserWarning, stacklevel=2)
 
 __all__ = ["OPTIMIZERS", "OVERRIDE_KEYS", "VENDOR", "RGCFSDPEngine", "check_config"]

@@ -118,6 +118,21 @@ def check_config(model_config, engine_config, optimizer_config, world_size: int)
     return options
 
 
+def _probe_mask(micro_batch, model_inputs: dict) -> torch.Tensor | None:
+    """The tokens a micro-batch's loss is taken on, over the model's input layout (the loss
+    mask shifted left by one, as verl's losses take it); ``None`` (every token) where the
+    layout is not one of verl's two plain ones."""
+    mask = micro_batch.get("loss_mask", None)
+    ids = model_inputs["input_ids"]
+    if mask is None or not getattr(mask, "is_nested", False):
+        return None
+    if model_inputs.get("attention_mask") is None:  # packed: (1, total tokens)
+        flat = torch.roll(mask.values(), shifts=-1, dims=0).bool().unsqueeze(0)
+        return flat if flat.shape == ids.shape else None
+    padded = torch.nested.to_padded_tensor(mask, 0, output_size=tuple(ids.shape)).bool()
+    return torch.nn.functional.pad(padded[:, 1:], (0, 1))
+
+
 @EngineRegistry.register(model_type="language_model", backend="fsdp2",
                          device=["cuda", "npu", "cpu"], vendor=VENDOR)
 class RGCFSDPEngine(FSDPEngineWithLMHead):
@@ -163,10 +178,8 @@ class RGCFSDPEngine(FSDPEngineWithLMHead):
         model_inputs, output_args = super().prepare_model_inputs(micro_batch)
         if self.rgc_control is not None and torch.is_grad_enabled():
             # the probe of PredictedKL: the last micro-batch trained on, KL over its loss tokens
-            mask = micro_batch.get("loss_mask", None)
-            if mask is not None and getattr(mask, "is_nested", False):
-                mask = torch.roll(mask.values(), shifts=-1, dims=0).bool().unsqueeze(0)
-            self._probe = (dict(model_inputs, use_cache=False), mask)
+            self._probe = (dict(model_inputs, use_cache=False),
+                           _probe_mask(micro_batch, model_inputs))
         return model_inputs, output_args
 
     def optimizer_step(self):
@@ -177,7 +190,6 @@ class RGCFSDPEngine(FSDPEngineWithLMHead):
         norm = self.optimizer.clip_at_step(max_norm)
         if self.rgc_control is not None and self._probe is not None:
             inputs, mask = self._probe
-            mask = mask if mask is not None and mask.shape == inputs["input_ids"].shape else None
             self.rgc_control.set_probe(self.module, inputs, token_mask=mask)
         self.optimizer.step()
         self._probe = None
