@@ -251,8 +251,13 @@ def _train_verl_kl(rank: int, out: Path) -> dict:
     for step in range(KL_STEPS):
         output = worker.train_batch(_tensordict(_share(_sequences(step), rank)))
         metrics.append(dict(output["metrics"]))
+    worker.engine.save_checkpoint(local_path=str(out / "ckpt_kl"), global_step=KL_STEPS)
+    resumed = _training_worker(out, optimizer="RGCOptimizer", lr=TAU,
+                               step_control={"budget": KL_BUDGET})
+    resumed.engine.load_checkpoint(local_path=str(out / "ckpt_kl"))
     return {"optimizer": type(worker.engine.optimizer).__name__, "metrics": metrics,
-            "weights": _full_state(worker.engine.module)}
+            "weights": _full_state(worker.engine.module),
+            "resumed_control_steps": resumed.engine.rgc_control.steps}
 
 
 def _worker(rank: int, out: Path) -> None:
@@ -368,6 +373,7 @@ def test_predicted_kl_from_the_optimizer_config(runs):
         assert all(min(m["rgc/realised_kl"]) > 0 for m in verl["metrics"])
         for name, value in verl["weights"].items():
             assert torch.equal(value, plain["weights"][name]), name
+        assert verl["resumed_control_steps"] == KL_STEPS  # the annealing resumes where it was
 
 
 def test_weights_equal_a_plain_rgc_run(runs):

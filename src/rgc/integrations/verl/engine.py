@@ -29,6 +29,7 @@ See docs/verl.md.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import torch
@@ -203,6 +204,28 @@ class RGCFSDPEngine(FSDPEngineWithLMHead):
                   "(weights unchanged)")
         self.rgc_skipped = skipped
         return grad_norm
+
+    def _control_path(self, local_path: str) -> str:
+        return os.path.join(local_path, f"rgc_step_control_rank_{self.rank}.pt")
+
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None,
+                        **kwargs):
+        super().save_checkpoint(local_path, hdfs_path=hdfs_path, global_step=global_step,
+                                max_ckpt_to_keep=max_ckpt_to_keep, **kwargs)
+        if self.rgc_control is not None and local_path is not None:
+            # the controller's step count (its annealed budget) is not optimizer state
+            torch.save(self.rgc_control.state_dict(), self._control_path(local_path))
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
+        control = None
+        if self.rgc_control is not None and local_path is not None:
+            path = self._control_path(local_path)
+            if os.path.exists(path):
+                control = torch.load(path, weights_only=True)
+        super().load_checkpoint(local_path, hdfs_path=hdfs_path,
+                                del_local_after_load=del_local_after_load, **kwargs)
+        if control is not None:
+            self.rgc_control.load_state_dict(control)
 
     def train_batch(self, data, loss_function):
         outputs = super().train_batch(data, loss_function)
