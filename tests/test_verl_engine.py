@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
+import re
+import shlex
 import traceback
 from pathlib import Path
 
@@ -431,3 +433,33 @@ def test_the_test_configuration_is_served(model_dir):
 
     model, engine, optim, _ = _configs(model_dir)
     assert check_config(model, engine, optim, world_size=WORLD) == {"rank": RANK, "seed": SEED}
+
+
+def _documented_overrides() -> list[str]:
+    """The Hydra overrides of docs/verl.md's command, as printed."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "verl.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", doc, flags=re.S).group(1)
+    lines = [line.strip().rstrip("\\").strip() for line in block.splitlines()[1:]]
+    return [shlex.split(line)[0] for line in lines if line and not line.startswith("...")]
+
+
+def test_the_documented_overrides_compose_in_verls_ppo_config(model_dir):
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from rgc.integrations.verl import check_config
+
+    overrides = _documented_overrides()
+    assert len(overrides) == 9, overrides
+    config_dir = Path(verl.__file__).parent / "trainer" / "config"
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=[
+            *overrides, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"])
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_ENGINE_VENDOR == "rgc"
+    assert cfg.actor_rollout_ref.model.external_lib == "rgc.integrations.verl"
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    model, _, _, _ = _configs(model_dir)
+    options = check_config(model, actor.engine, actor.optim, world_size=8)
+    assert options == {"rank": 64, "preset": "logra", "seed": 0}
+    assert cfg.actor_rollout_ref.ref.strategy == "fsdp2"  # the reference: same engine, forward
