@@ -82,26 +82,27 @@ def _nested(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.nested.as_nested_tensor(tensors, layout=torch.jagged)
 
 
-def _tensordict(seqs: list):
+def _tensordict(seqs: list, packed: bool = False):
     from verl.utils import tensordict_utils as tu
 
     ids = [s[0] for s in seqs]
     data = {"input_ids": _nested(ids),
             "position_ids": _nested([torch.arange(len(i)) for i in ids]),
             "loss_mask": _nested([s[1] for s in seqs])}
-    meta = {"use_remove_padding": False, "use_dynamic_bsz": False,
+    meta = {"use_remove_padding": packed, "use_dynamic_bsz": False,
             "micro_batch_size_per_gpu": MICRO, "temperature": 1.0, "pad_mode": "no_padding",
             "pad_token_id": 0, "global_batch_size": BATCH, "update_lr_scheduler": True}
     return tu.get_tensordict(tensor_dict=data, non_tensor_dict=meta)
 
 
-def _configs(model_dir: Path, optimizer: str = "RowAdam", lr: float = LR, **options):
+def _configs(model_dir: Path, optimizer: str = "RowAdam", lr: float = LR, packed: bool = False,
+             **options):
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
 
     model = HFModelConfig(path=str(model_dir), external_lib="rgc.integrations.verl",
                           override_config={"attn_implementation": "eager"},
-                          use_remove_padding=False, enable_gradient_checkpointing=True)
+                          use_remove_padding=packed, enable_gradient_checkpointing=True)
     engine = FSDPEngineConfig(strategy="fsdp2", model_dtype="bfloat16", seed=SEED,
                               use_torch_compile=False)
     optim = FSDPOptimizerConfig(optimizer=optimizer, lr=lr, clip_grad=CLIP,
@@ -115,11 +116,11 @@ def _full_state(module) -> dict[str, torch.Tensor]:
             for k, v in module.state_dict().items()}
 
 
-def _training_worker(out: Path, **options):
+def _training_worker(out: Path, packed: bool = False, **options):
     from verl.workers.engine_workers import TrainingWorker, TrainingWorkerConfig
     from verl.workers.utils.losses import sft_loss
 
-    model, engine, optim, ckpt = _configs(out / "model", **options)
+    model, engine, optim, ckpt = _configs(out / "model", packed=packed, **options)
     worker = TrainingWorker(TrainingWorkerConfig(
         model_type="language_model", model_config=model, engine_config=engine,
         optimizer_config=optim, checkpoint_config=ckpt))
@@ -170,6 +171,22 @@ def _times_nan(loss: torch.Tensor, metrics: dict) -> tuple[torch.Tensor, dict]:
     return loss * float("nan"), metrics
 
 
+def _packed_loss(model, seqs: list, batch_tokens: int) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """:func:`_loss` on the packed layout (``use_remove_padding``): one row of every token, the
+    positions restarting at each sequence, no attention mask."""
+    from verl.utils.torch_functional import logprobs_from_logits
+
+    ids = torch.cat([s[0] for s in seqs]).unsqueeze(0)
+    pos = torch.cat([torch.arange(len(s[0])) for s in seqs]).unsqueeze(0)
+    inputs = {"input_ids": ids, "attention_mask": None, "position_ids": pos, "use_cache": False}
+    mask = torch.roll(torch.cat([s[1] for s in seqs]), shifts=-1, dims=0)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        logits = model(**inputs).logits.squeeze(0)
+        logp = logprobs_from_logits(logits=logits, labels=torch.roll(ids, -1, dims=1).squeeze(0))
+        loss = -(logp * mask).sum() / batch_tokens * WORLD
+    return loss, inputs, mask.bool().unsqueeze(0)
+
+
 def _loss(model, seqs: list, batch_tokens: int) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """verl's SFT loss on a padded batch, as its engine computes it (eager attention), and the
     probe of PredictedKL the engine takes from it (its inputs, the shifted loss mask)."""
@@ -201,7 +218,8 @@ def _loss(model, seqs: list, batch_tokens: int) -> tuple[torch.Tensor, dict, tor
 
 
 def _train_plain(rank: int, out: Path, clip: float | None = CLIP, rule: str = "RowAdam",
-                 lr: float = LR, control: dict | None = None, steps: int = STEPS) -> dict:
+                 lr: float = LR, control: dict | None = None, steps: int = STEPS,
+                 packed: bool = False) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
@@ -233,7 +251,8 @@ def _train_plain(rank: int, out: Path, clip: float | None = CLIP, rule: str = "R
         tokens = int(sum(int(s[1].sum()) for s in seqs))
         mine = _share(seqs, rank)
         for m in range(0, len(mine), MICRO):
-            loss, probe, probe_mask = _loss(model, mine[m:m + MICRO], tokens)
+            loss, probe, probe_mask = (_packed_loss if packed else _loss)(
+                model, mine[m:m + MICRO], tokens)
             loss.backward()
         norm = opt.clip_at_step(clip or float("inf"))
         if ctl is not None:
@@ -246,12 +265,14 @@ def _train_plain(rank: int, out: Path, clip: float | None = CLIP, rule: str = "R
 
 
 def _train_verl_kl(rank: int, out: Path) -> dict:
-    """RGCOptimizer with a PredictedKL step controller from the optimizer config."""
-    worker = _training_worker(out, optimizer="RGCOptimizer", lr=TAU,
+    """RGCOptimizer with a PredictedKL step controller from the optimizer config, on verl's
+    default packed layout (``use_remove_padding``; on a CPU the sequences of a packed row
+    attend to each other, the same in the plain loop: this checks the engine's plumbing)."""
+    worker = _training_worker(out, optimizer="RGCOptimizer", lr=TAU, packed=True,
                               step_control={"budget": KL_BUDGET})
     metrics = []
     for step in range(KL_STEPS):
-        output = worker.train_batch(_tensordict(_share(_sequences(step), rank)))
+        output = worker.train_batch(_tensordict(_share(_sequences(step), rank), packed=True))
         metrics.append(dict(output["metrics"]))
     worker.engine.save_checkpoint(local_path=str(out / "ckpt_kl"), global_step=KL_STEPS)
     resumed = _training_worker(out, optimizer="RGCOptimizer", lr=TAU,
@@ -268,7 +289,8 @@ def _worker(rank: int, out: Path) -> None:
                "unclipped": _train_plain(rank, out, clip=None),
                "verl_kl": _train_verl_kl(rank, out),
                "plain_kl": _train_plain(rank, out, rule="RGCOptimizer", lr=TAU,
-                                        control={"budget": KL_BUDGET}, steps=KL_STEPS)}
+                                        control={"budget": KL_BUDGET}, steps=KL_STEPS,
+                                        packed=True)}
     torch.save(records, out / f"rank{rank}.pt")
 
 
