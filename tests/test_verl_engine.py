@@ -142,6 +142,8 @@ def _train_verl(rank: int, out: Path) -> dict:
     # what verl's full-weight sync sends a rollout engine
     params, peft = eng.get_per_tensor_param()
     exported = {name: tensor.detach().clone() for name, tensor in params}
+    shards, _ = eng.get_per_tensor_param_shard()  # the sharded export of verl's sync engines
+    shard_names = [name for name, _, _ in shards]
     # verl's checkpoint manager: model and optimizer shards, scheduler and RNG, per rank
     eng.save_checkpoint(local_path=str(out / "ckpt"), global_step=STEPS)
     worker.train_batch(_tensordict(_share(_sequences(STEPS), rank)))
@@ -151,7 +153,7 @@ def _train_verl(rank: int, out: Path) -> dict:
     output = worker.train_batch(_tensordict(_share(_sequences(STEPS + 1), rank)))
     return {"engine": type(eng).__name__, "optimizer": type(eng.optimizer).__name__,
             "metrics": metrics, "weights": weights, "after_save": after_save,
-            "exported": exported, "peft": peft,
+            "exported": exported, "peft": peft, "shard_names": shard_names,
             "nan_metrics": dict(output["metrics"]),
             "nan_step_kept_weights": all(torch.equal(v, after_save[k])
                                          for k, v in _full_state(eng.module).items()),
@@ -381,6 +383,7 @@ def test_the_full_weight_sync_sends_the_original_keys(runs, model_dir):
         exported = record["verl"]["exported"]
         assert record["verl"]["peft"] is None
         assert set(exported) == keys
+        assert sorted(record["verl"]["shard_names"]) == sorted(keys)
         for name, value in exported.items():
             assert torch.equal(value, record["verl"]["weights"][name]), name
 
