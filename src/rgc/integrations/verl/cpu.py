@@ -10,7 +10,10 @@ after :func:`use_cpu_platform`. What it gives verl:
 * device ``cpu``, ``current_device()`` ``"cpu"`` (verl moves tensors with ``.to(device_id)``),
   communication backend ``gloo``;
 * a device module whose memory statistics are zeros (verl logs them) and whose caches and
-  synchronisation are no-ops.
+  synchronisation are no-ops;
+* where ``VERL_PLATFORM=cpu`` is set, verl's ``initialize_global_process_group`` (what its SFT
+  trainer calls under ``torchrun``) is replaced by one that asks for ``gloo``: verl's asks for
+  ``cpu:gloo,<device>:<backend>``, which names the CPU twice here and is refused by torch.
 
 What still needs a GPU: rollouts (vLLM / SGLang servers), Ray's GPU scheduling, fused kernels
 and flash attention (set ``attn_implementation`` to ``eager`` or ``sdpa``).
@@ -19,6 +22,8 @@ and flash attention (set ``attn_implementation`` to ``eager`` or ``sdpa``).
 from __future__ import annotations
 
 import contextlib
+import os
+from datetime import timedelta
 from types import SimpleNamespace
 
 import torch
@@ -53,6 +58,7 @@ DEVICE_MODULE = SimpleNamespace(
     mem_get_info=lambda *a, **k: (0, 0),
     set_per_process_memory_fraction=_none,
     is_initialized=lambda: True,
+    get_device_name=lambda *args, **kwargs: "CPU",  # verl's flops counter: an unknown device
 )
 
 
@@ -141,3 +147,18 @@ def use_cpu_platform() -> None:
     """Make :class:`PlatformCPU` verl's platform in this process (before verl builds anything
     that asks for its device)."""
     set_platform(PlatformCPU())
+
+
+def initialize_global_process_group(timeout_second: int = 36000) -> tuple[int, int, int]:
+    """verl's ``verl.utils.distributed.initialize_global_process_group`` on gloo alone."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout_second),
+                            init_method=os.environ.get("DIST_INIT_METHOD", None))
+    return int(os.environ["LOCAL_RANK"]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+if os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu":
+    import verl.utils.distributed
+
+    verl.utils.distributed.initialize_global_process_group = initialize_global_process_group
