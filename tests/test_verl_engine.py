@@ -129,6 +129,18 @@ def _training_worker(out: Path, packed: bool = False, **options):
     return worker
 
 
+def _refusal(rank: int, out: Path) -> dict:
+    """A configuration whose targets match no layer: refused before FSDP2 wraps the model.
+    (verl's reference policy, the same engine class in forward mode, cannot be built on a CPU:
+    verl gives it FSDP2's CPUOffloadPolicy with pinned memory, which needs an accelerator.)"""
+    record = {}
+    try:
+        _training_worker(out, targets=["no_such_layer"])
+    except ValueError as err:
+        record["no_target_error"] = str(err)
+    return record
+
+
 def _train_verl(rank: int, out: Path) -> dict:
     from verl.workers.utils.losses import sft_loss
 
@@ -287,7 +299,7 @@ def _train_verl_kl(rank: int, out: Path) -> dict:
 
 def _worker(rank: int, out: Path) -> None:
     records = {"verl": _train_verl(rank, out), "resumed": _resume_verl(rank, out),
-               "plain": _train_plain(rank, out),
+               "plain": _train_plain(rank, out), "misc": _refusal(rank, out),
                "unclipped": _train_plain(rank, out, clip=None),
                "verl_kl": _train_verl_kl(rank, out),
                "plain_kl": _train_plain(rank, out, rule="RGCOptimizer", lr=TAU,
@@ -353,6 +365,11 @@ def test_verl_builds_the_rgc_engine_and_optimizer(runs):
         assert record["verl"]["engine"] == "RGCFSDPEngine"
         assert record["verl"]["optimizer"] == "DistributedRowAdam"
         assert record["verl"]["compressed"] == 2 * 7  # q k v o gate up down, per layer
+
+
+def test_a_model_with_no_target_layer_is_refused(runs):
+    for record in runs:
+        assert "matched no module" in record["misc"]["no_target_error"]
 
 
 def test_a_non_finite_step_is_skipped_and_counted(runs):
