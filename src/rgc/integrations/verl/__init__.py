@@ -10,6 +10,8 @@ with ``VERL_PLATFORM=cpu``; it is registered here, before verl's engines ask for
 import os
 import warnings
 
+import verl
+
 from rgc.integrations.verl import cpu  # noqa: F401  (registers the platform first)
 from rgc.integrations.verl.engine import (
     OPTIMIZERS,
@@ -19,10 +21,19 @@ from rgc.integrations.verl.engine import (
     check_config,
 )
 
+#: verl versions this integration is tested with (it overrides engine methods by name).
+TESTED_VERL = ("0.9.",)
+
+if not str(verl.__version__).startswith(TESTED_VERL):
+    warnings.warn(f"rgc.integrations.verl is tested with verl {TESTED_VERL[0]}x, not "
+                  f"{verl.__version__}: verl's engine interface changes between versions",
+                  UserWarning, stacklevel=2)
+
 if os.environ.get("VERL_ENGINE_VENDOR") != VENDOR:
     warnings.warn(f"rgc.integrations.verl is imported but VERL_ENGINE_VENDOR is "
                   f"{os.environ.get('VERL_ENGINE_VENDOR')!r}, not {VENDOR!r}: verl will build its "
                   "own FSDP engine, without rgc, in this process (see docs/verl.md)",
                   UserWarning, stacklevel=2)
 
-__all__ = ["OPTIMIZERS", "OVERRIDE_KEYS", "VENDOR", "RGCFSDPEngine", "check_config"]
+__all__ = ["OPTIMIZERS", "OVERRIDE_KEYS", "TESTED_VERL", "VENDOR", "RGCFSDPEngine",
+           "check_config"]
