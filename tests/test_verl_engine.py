@@ -42,16 +42,28 @@ KL_BUDGET = 1e-6  # PredictedKL's budget per step: small enough to shorten these
 KL_STEPS = 2
 
 
-def _save_model(path: Path) -> None:
+def _save_model(path: Path, moe: bool = False) -> None:
+    """A tiny BF16 Qwen3 (or Qwen3-MoE: 4 experts, 2 per token) and a word-level tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                 max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1,
+                 eos_token_id=2, pad_token_id=0)
+    if moe:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, moe_intermediate_size=16,
+                                                   num_experts=4, num_experts_per_tok=2))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**shape))
+    model.to(torch.bfloat16).save_pretrained(path)
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -308,7 +320,17 @@ def _worker(rank: int, out: Path) -> None:
     torch.save(records, out / f"rank{rank}.pt")
 
 
-def _entry(rank: int, out: str) -> None:
+def _moe_worker(rank: int, out: Path) -> None:
+    """A mixture-of-experts model (sketched expert stacks, Shard(0) over experts): verl and a
+    plain run."""
+    records = {"verl": _train_verl(rank, out), "plain": _train_plain(rank, out)}
+    torch.save(records, out / f"rank{rank}.pt")
+
+
+WORKERS = {"dense": _worker, "moe": _moe_worker}
+
+
+def _entry(rank: int, out: str, kind: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK="0",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
     torch.set_num_threads(1)
@@ -317,7 +339,7 @@ def _entry(rank: int, out: str) -> None:
 
         torch.distributed.init_process_group("gloo", init_method=f"file://{out}/store",
                                              rank=rank, world_size=WORLD)
-        _worker(rank, Path(out))
+        WORKERS[kind](rank, Path(out))
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     except BaseException:
@@ -325,21 +347,13 @@ def _entry(rank: int, out: str) -> None:
         raise
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("verl") / "model"
-    _save_model(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def runs(model_dir):
-    out = model_dir.parent
+def _spawn(out: Path, kind: str) -> list[dict]:
+    """Run ``WORKERS[kind]`` on ``WORLD`` new processes; what each rank recorded."""
     saved = {k: os.environ.get(k) for k in ("VERL_PLATFORM", "VERL_ENGINE_VENDOR")}
     os.environ.update(VERL_PLATFORM="cpu", VERL_ENGINE_VENDOR="rgc")
     try:
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_entry, args=(r, str(out))) for r in range(WORLD)]
+        procs = [ctx.Process(target=_entry, args=(r, str(out), kind)) for r in range(WORLD)]
         for p in procs:
             p.start()
         for p in procs:
@@ -358,6 +372,25 @@ def runs(model_dir):
     assert not errors, "\n".join(errors)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("verl") / "model"
+    _save_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir):
+    return _spawn(model_dir.parent, "dense")
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("verl_moe")
+    _save_model(out / "model", moe=True)
+    return _spawn(out, "moe")
 
 
 def test_verl_builds_the_rgc_engine_and_optimizer(runs):
@@ -505,3 +538,13 @@ def test_the_documented_overrides_compose_in_verls_ppo_config(model_dir):
     options = check_config(model, actor.engine, actor.optim, world_size=8)
     assert options == {"rank": 64, "preset": "logra", "seed": 0}
     assert cfg.actor_rollout_ref.ref.strategy == "fsdp2"  # the reference: same engine, forward
+
+
+def test_a_mixture_of_experts_model_equals_a_plain_rgc_run(moe_runs):
+    for record in moe_runs:
+        verl, plain = record["verl"], record["plain"]
+        assert verl["compressed"] == 2 * 6  # q k v o and the two expert stacks, per layer
+        assert [m["grad_norm"] for m in verl["metrics"]] == plain["norms"]
+        for name, value in verl["weights"].items():
+            assert torch.equal(value, plain["weights"][name]), name
+        assert any(not torch.equal(verl["weights"][k], v) for k, v in plain["initial"].items())
