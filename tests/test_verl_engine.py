@@ -8,6 +8,11 @@ Qwen3 for a few steps with verl's SFT loss; then, in the same processes, a plain
 (transformers model, ``rgc.wrap``, ``fully_shard``, ``rgc.DistributedRowAdam``, the same seeds,
 the same micro-batches and the same loss) trains a second copy. The weights must be
 bit-identical, and the ``grad_norm`` verl logged must be the norm rgc's optimizer measured.
+
+The same processes also check clipping (against an unclipped plain run), a NaN step, a
+checkpoint saved and resumed through verl's checkpoint manager, verl's weight export,
+RGCOptimizer with PredictedKL on the packed layout, and a refusal; a second pair of processes
+compares a Qwen3-MoE. The configuration checks run in this process.
 """
 
 from __future__ import annotations
@@ -156,6 +161,8 @@ def _refusal(rank: int, out: Path) -> dict:
 def _train_verl(rank: int, out: Path) -> dict:
     from verl.workers.utils.losses import sft_loss
 
+    import rgc
+
     worker = _training_worker(out)
     eng = worker.engine
     metrics = []
@@ -181,7 +188,7 @@ def _train_verl(rank: int, out: Path) -> dict:
             "nan_metrics": dict(output["metrics"]),
             "nan_step_kept_weights": all(torch.equal(v, after_save[k])
                                          for k, v in _full_state(eng.module).items()),
-            "compressed": len(__import__("rgc").sketched_weights(eng.module))}
+            "compressed": len(rgc.sketched_weights(eng.module))}
 
 
 def _resume_verl(rank: int, out: Path) -> dict:
