@@ -17,5 +17,7 @@ pip_install "torch==2.13.0"  # the CPU build, as in setup.sh
 # verl imports a rollout server module (uvicorn, fastapi) from its training workers but does
 # not require them
 pip_install -e ".[dev,hf,verl]" uvicorn fastapi
+# verl 0.9.1 brings no CUDA-only package here (no torchvision, no nvidia-*), so unlike
+# setup_vllm.sh nothing is uninstalled; this import is what the tests need
 .venv-verl/bin/python -c "import verl.workers.engine_workers" >/dev/null
 echo "$want" > "$stamp"
