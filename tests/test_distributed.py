@@ -428,12 +428,28 @@ def _refusals(rank: int, world: int) -> list[str]:
     return messages
 
 
-def _dcp_run(rank: int, world: int, out: Path, phase: str) -> dict:
-    """The LoGRA recipe (RowAdam + annealed PredictedKL, FSDP2) and RGCOptimizer under FSDP2:
-    2 steps, a checkpoint, 2 more; or a fresh model loading the checkpoint and stepping 2."""
+def dcp_save_or_load(model, opt, checkpoint: str, phase: str, extra: dict | None = None
+                     ) -> dict:
+    """With torch.distributed.checkpoint: save (``phase == 'save'``) or load the model, the
+    optimizer and ``extra`` (a dict of state dicts, its loaded values returned) at
+    ``checkpoint``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd, "extra": extra or {}}
+    if phase == "save":
+        dcp.save(state, checkpoint_id=checkpoint)
+    else:
+        dcp.load(state, checkpoint_id=checkpoint)
+        set_state_dict(model, opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+    return state["extra"]
+
+
+def _dcp_run(rank: int, world: int, out: Path, phase: str) -> dict:
+    """The LoGRA recipe (RowAdam + annealed PredictedKL, FSDP2) and RGCOptimizer under FSDP2:
+    2 steps, a checkpoint, 2 more; or a fresh model loading the checkpoint and stepping 2."""
     finals = {}
     for rule, kl in (("rowadam", True), ("rgc", False)):
         net = _shard(build(init_seed=0 if phase == "save" else 1, head=not kl))
@@ -447,17 +463,10 @@ def _dcp_run(rank: int, world: int, out: Path, phase: str) -> dict:
                 loss_on(net, step, rank, world).backward()
                 opt.step()
                 opt.zero_grad()
-        model_sd, optim_sd = get_state_dict(net, opt)
-        state = {"model": model_sd, "optim": optim_sd,
-                 "control": ctl.state_dict() if ctl is not None else {}}
-        if phase == "save":
-            dcp.save(state, checkpoint_id=checkpoint)
-        else:
-            dcp.load(state, checkpoint_id=checkpoint)
-            set_state_dict(net, opt, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
-            if ctl is not None:
-                ctl.load_state_dict(state["control"])
+        extra = dcp_save_or_load(net, opt, checkpoint, phase,
+                                 {"control": ctl.state_dict()} if ctl is not None else None)
+        if ctl is not None and phase != "save":
+            ctl.load_state_dict(extra["control"])
         payloads = []
         for step in range(2, 4):
             loss_on(net, step, rank, world).backward()

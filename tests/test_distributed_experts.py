@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import rgc
 from rgc.distributed import DistributedRGCOptimizer, DistributedRowAdam
-from tests.test_distributed import bf16_ulps, full_state, load, spawn
+from tests.test_distributed import bf16_ulps, dcp_save_or_load, full_state, load, spawn
 
 pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable"),
               pytest.mark.slow]
@@ -77,8 +77,9 @@ def _optimizer(rule: str, params, *, distributed: bool, **kwargs):
 def _steps(model, opt, rank: int, world: int, steps: range, record: dict) -> None:
     """Train ``steps``; records each step's weights before and after, its payload, the
     largest tensor the step allocated and the bytes rgc passed to collectives."""
+    for key in ("pre", "post", "payloads", "comm"):
+        record.setdefault(key, [])
     record.setdefault("largest", 0)
-    record.setdefault("comm", [])
     for step in steps:
         record["pre"].append(full_state(model))
         _loss(model, step, rank, world).backward()
@@ -113,7 +114,7 @@ def _train(rank: int, world: int, family: str, rule: str, *, meta: bool = False)
     # of all of a tiny model's sketches outgrows one of its stacks)
     opt = _optimizer(rule, model.parameters(), distributed=True, keep_updates=True,
                      bucket_mb=1e-4)
-    record = {"pre": [], "post": [], "payloads": []}
+    record = {}
     _steps(model, opt, rank, world, range(STEPS), record)
     return record
 
@@ -121,28 +122,15 @@ def _train(rank: int, world: int, family: str, rule: str, *, meta: bool = False)
 def _dcp(rank: int, world: int, out: Path, phase: str) -> dict:
     """RowAdam and RGCOptimizer on the sharded Qwen3-MoE: 2 steps, a checkpoint, 2 more; or a
     differently initialised model loading the checkpoint and stepping 2."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     finals = {}
     for rule in ("rowadam", "rgc-stack"):
         model = _shard(_model("qwen3_moe", init_seed=0 if phase == "save" else 1))
         opt = _optimizer(rule, model.parameters(), distributed=True, keep_updates=True)
-        checkpoint = str(out.parent / f"ckpt-{rule}")
-        record = {"pre": [], "post": [], "payloads": []}
         if phase == "save":
-            _steps(model, opt, rank, world, range(2), record)
-        model_sd, optim_sd = get_state_dict(model, opt)
-        state = {"model": model_sd, "optim": optim_sd}
-        if phase == "save":
-            dcp.save(state, checkpoint_id=checkpoint)
-        else:
-            dcp.load(state, checkpoint_id=checkpoint)
-            set_state_dict(model, opt, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
-        record = {"pre": [], "post": [], "payloads": []}
-        _steps(model, opt, rank, world, range(2, 4), record)
-        finals[rule] = record
+            _steps(model, opt, rank, world, range(2), {})
+        dcp_save_or_load(model, opt, str(out.parent / f"ckpt-{rule}"), phase)
+        finals[rule] = {}
+        _steps(model, opt, rank, world, range(2, 4), finals[rule])
     return finals
 
 

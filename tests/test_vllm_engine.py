@@ -24,6 +24,7 @@ from rgc.payload import payload_checksum  # noqa: E402
 from tests.vllm_engine import (  # noqa: E402
     DENSE,
     assert_generations_match_trainer,
+    assert_step_order_refusals_then_resync,
     greedy,
     load_trainer,
     make_trainer,
@@ -150,16 +151,8 @@ def test_refused_payloads_leave_the_engine_unchanged(setup):
     unchanged(lambda: push_update(llm, unknown), ValueError, "no parameter")
 
     push_update(llm, payload)
-    train_step(model, opt, 2)
-    train_step(model, opt, 3)
-    skipped = opt.export_update(model)  # step 3; the engine applied step 1
-    unchanged(lambda: push_update(llm, skipped), ValueError, "wrong step order")
-    push_weights(llm, load_trainer(base, dtype))  # another base, any next step
-    unchanged(lambda: push_update(llm, skipped), ValueError, "fingerprint mismatch")
-    push_weights(llm, model, step=3)  # the resync the errors ask for
-    train_step(model, opt, 4)
-    push_update(llm, opt.export_update(model))
-    assert_engine_equals(llm, model, "after the resync and step 4")
+    assert_step_order_refusals_then_resync(llm, model, opt, load_trainer(base, dtype), unchanged,
+                                           assert_engine_equals)
 
 
 

@@ -29,6 +29,7 @@ from rgc.payload import decode, payload_checksum  # noqa: E402
 from tests.test_vllm_engine import engine_model, engine_tensors  # noqa: E402
 from tests.vllm_engine import (  # noqa: E402
     assert_generations_match_trainer,
+    assert_step_order_refusals_then_resync,
     greedy,
     load_moe_trainer,
     make_trainer,
@@ -147,13 +148,5 @@ def test_refused_expert_payloads_leave_the_engine_unchanged(setup):
     unchanged(lambda: push_update(llm, one), RuntimeError, "other bits")
 
     push_update(llm, payload)
-    train_step(model, opt, 2)
-    train_step(model, opt, 3)
-    skipped = opt.export_update(model)  # step 3; the engine applied step 1
-    unchanged(lambda: push_update(llm, skipped), ValueError, "wrong step order")
-    push_weights(llm, load_moe_trainer(base, dtype))  # another base, any next step
-    unchanged(lambda: push_update(llm, skipped), ValueError, "fingerprint mismatch")
-    push_weights(llm, model, step=3)  # the resync the errors ask for
-    train_step(model, opt, 4)
-    push_update(llm, opt.export_update(model))
-    assert_engine_equals(llm, model, "after the resync and step 4")
+    assert_step_order_refusals_then_resync(llm, model, opt, load_moe_trainer(base, dtype),
+                                           unchanged, assert_engine_equals)

@@ -42,16 +42,25 @@ def build_tokenizer():
                                    eos_token="</s>", unk_token="<unk>", padding_side="left")
 
 
+def _tiny_fields(tokenizer) -> dict:
+    """The config fields the tiny dense and mixture-of-experts Qwen3s share."""
+    return dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
+                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=32, max_position_embeddings=64, tie_word_embeddings=False,
+                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id)
+
+
 def tiny_config(tokenizer, **overrides):
     from transformers import Qwen3Config
 
-    config = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
-                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                  head_dim=32, max_position_embeddings=64, tie_word_embeddings=False,
-                  pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                  eos_token_id=tokenizer.eos_token_id)
-    config.update(overrides)
-    return Qwen3Config(**config)
+    return Qwen3Config(**{**_tiny_fields(tokenizer), **overrides})
+
+
+def _save(path: Path, model, tokenizer) -> Path:
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def save_base(path: Path, dtype: torch.dtype, seed: int = 0, **overrides) -> Path:
@@ -66,9 +75,7 @@ def save_base(path: Path, dtype: torch.dtype, seed: int = 0, **overrides) -> Pat
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return _save(path, model, tokenizer)
 
 
 def load_trainer(path: Path, dtype: torch.dtype):
@@ -82,14 +89,8 @@ def tiny_moe_config(tokenizer, **overrides):
     expert widths to be multiples of 32, else they pad the experts), 2 per token."""
     from transformers import Qwen3MoeConfig
 
-    config = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
-                  moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                  head_dim=32, max_position_embeddings=64, tie_word_embeddings=False,
-                  pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                  eos_token_id=tokenizer.eos_token_id)
-    config.update(overrides)
-    return Qwen3MoeConfig(**config)
+    return Qwen3MoeConfig(**{**_tiny_fields(tokenizer), "moe_intermediate_size": 32,
+                             "num_experts": 4, "num_experts_per_tok": 2, **overrides})
 
 
 def save_moe_base(path: Path, dtype: torch.dtype, seed: int = 0, **overrides) -> Path:
@@ -99,9 +100,7 @@ def save_moe_base(path: Path, dtype: torch.dtype, seed: int = 0, **overrides) ->
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(tiny_moe_config(tokenizer, **overrides)).to(dtype)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return _save(path, model, tokenizer)
 
 
 def load_moe_trainer(path: Path, dtype: torch.dtype):
@@ -204,3 +203,23 @@ def assert_generations_match_trainer(model, base: Path, generations, tol: float)
             assert abs(logp[i, t].item() - lp) < tol, (prompt, i, logp[i, t].item(), lp)
             top2 = logits[i].float().topk(2).values
             assert t == int(logits[i].argmax()) or (top2[0] - top2[1]).item() < tol
+
+
+def assert_step_order_refusals_then_resync(llm, model, opt, other_base, unchanged,
+                                           assert_engine_equals) -> None:
+    """After the engine applied step 1: a payload that skips a step, and one sent to an engine
+    on ``other_base`` weights, are refused with the engine unchanged (``unchanged(call, error,
+    match)`` checks that); ``push_weights`` with the step number resyncs, and the next payload
+    applies."""
+    from rgc.integrations.vllm import push_update, push_weights
+
+    train_step(model, opt, 2)
+    train_step(model, opt, 3)
+    skipped = opt.export_update(model)  # step 3; the engine applied step 1
+    unchanged(lambda: push_update(llm, skipped), ValueError, "wrong step order")
+    push_weights(llm, other_base)  # another base, any next step
+    unchanged(lambda: push_update(llm, skipped), ValueError, "fingerprint mismatch")
+    push_weights(llm, model, step=3)  # the resync the errors ask for
+    train_step(model, opt, 4)
+    push_update(llm, opt.export_update(model))
+    assert_engine_equals(llm, model, "after the resync and step 4")
