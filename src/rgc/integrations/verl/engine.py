@@ -16,7 +16,11 @@ four changes, and nothing else:
   finite is skipped, its weight left bit-identical, and counted (metric
   ``rgc/skipped_updates``);
 * configurations it cannot serve are refused in the constructor, before any weight is loaded
-  or changed (:func:`check_config`).
+  or changed (:func:`check_config`);
+* with ``override_optimizer_config.sync: payload``, ``get_per_tensor_param()`` returns a
+  :class:`~rgc.integrations.verl.sync.RolloutSync`: verl's full-weight export, carrying the
+  rgc payloads of the steps since the rollout's last sync for an adapter that sends those
+  instead (:mod:`rgc.integrations.verl.sync`).
 
 A forward-only engine (verl's reference policy) is verl's engine unchanged.
 
@@ -39,6 +43,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 import rgc
 from rgc.distributed import DistributedRGCOptimizer, DistributedRowAdam
+from rgc.integrations.verl.sync import RolloutSync
 
 #: ``VERL_ENGINE_VENDOR`` value that selects :class:`RGCFSDPEngine`.
 VENDOR = "rgc"
@@ -55,7 +60,12 @@ OVERRIDE_KEYS = {
     "targets": "names of the linear layers to sketch (default: rgc.DEFAULT_TARGETS)",
     "eps": "RowAdam's eps (default 1e-8)",
     "step_control": "None, or the keyword arguments of rgc.PredictedKL (e.g. {budget: 2e-4})",
+    "sync": "'full' (verl's weight sync, default) or 'payload' (get_per_tensor_param() "
+            "carries the steps' rgc payloads: rgc.integrations.verl.sync)",
 }
+
+#: ``override_optimizer_config.sync`` values.
+SYNC_MODES = ("full", "payload")
 
 
 def _options(optimizer_config) -> dict:
@@ -113,6 +123,9 @@ def check_config(model_config, engine_config, optimizer_config, world_size: int)
     if options.get("preset", "rgc") not in rgc.nn.PRESETS:
         problems.append(f"optim.override_optimizer_config.preset={options.get('preset')!r}: "
                         f"one of {sorted(rgc.nn.PRESETS)}")
+    if options.get("sync", "full") not in SYNC_MODES:
+        problems.append(f"optim.override_optimizer_config.sync={options.get('sync')!r}: one "
+                        f"of {list(SYNC_MODES)}")
     if problems:
         raise ValueError("rgc's verl engine cannot serve this configuration:\n  - "
                          + "\n  - ".join(problems))
@@ -148,6 +161,14 @@ class RGCFSDPEngine(FSDPEngineWithLMHead):
         self.rgc_control = None
         self.rgc_skipped = 0
         self._probe = None
+        # payload sync: the optimizer step the rollout holds (None: unknown) and the payloads
+        # of the steps since
+        self.rgc_rollout_step: int | None = None
+        self.rgc_payloads: list[dict[str, torch.Tensor]] = []
+
+    @property
+    def syncs_payloads(self) -> bool:
+        return self.uses_rgc and self.rgc_options.get("sync", "full") == "payload"
 
     @property
     def uses_rgc(self) -> bool:
@@ -167,7 +188,8 @@ class RGCFSDPEngine(FSDPEngineWithLMHead):
             return super()._build_optimizer(module)
         cfg, opts = self.optimizer_config, self.rgc_options
         params = [p for p in module.parameters() if p.requires_grad]
-        kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, seed=opts.get("seed", 0))
+        kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, seed=opts.get("seed", 0),
+                      keep_updates=opts.get("sync", "full") == "payload")
         if cfg.optimizer == "RowAdam":
             kwargs.update(betas=tuple(cfg.betas), eps=opts.get("eps", 1e-8))
         if opts.get("step_control") is not None:
@@ -194,6 +216,8 @@ class RGCFSDPEngine(FSDPEngineWithLMHead):
             self.rgc_control.set_probe(self.module, inputs, token_mask=mask)
         self.optimizer.step()
         self._probe = None
+        if self.syncs_payloads and self.rgc_rollout_step is not None:
+            self.rgc_payloads.append(self.optimizer.export_update(self.module))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # reported below, every time
             skipped = self.optimizer.skipped_updates()
@@ -226,6 +250,21 @@ class RGCFSDPEngine(FSDPEngineWithLMHead):
                                 del_local_after_load=del_local_after_load, **kwargs)
         if control is not None:
             self.rgc_control.load_state_dict(control)
+        self.rgc_rollout_step, self.rgc_payloads = None, []  # a full sync comes next
+
+    def get_per_tensor_param(self, **kwargs):
+        if not self.syncs_payloads:
+            return super().get_per_tensor_param(**kwargs)
+
+        def full():
+            weights, _ = super(RGCFSDPEngine, self).get_per_tensor_param(**kwargs)
+            return weights
+
+        def synced(step=self.optimizer.steps_taken):
+            self.rgc_rollout_step, self.rgc_payloads = step, []
+
+        payloads = self.rgc_payloads if self.rgc_rollout_step is not None else []
+        return RolloutSync(full, list(payloads), self.optimizer.steps_taken, synced), None
 
     def train_batch(self, data, loss_function):
         outputs = super().train_batch(data, loss_function)
