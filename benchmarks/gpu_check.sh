@@ -28,7 +28,10 @@
 #      (gpu_check_distributed.txt);
 #   7. where vLLM is installed: the engine tests with expert stacks and dense weights
 #      (tests/test_vllm_engine_moe.py, tests/test_vllm_engine.py) on the GPU engine
-#      (gpu_check_vllm.txt).
+#      (gpu_check_vllm.txt);
+#   8. where verl and vLLM are installed: a verl GRPO smoke run with rgc's engine, RowAdam and
+#      the payload sync into verl's vLLM rollout (benchmarks/verl_grpo_smoke.py,
+#      verl_grpo_smoke.txt).
 # Every step runs even when an earlier one fails; the exit status is the first failure's.
 #   benchmarks/gpu_check.sh [--out DIR] [--reps N] [--no-sweep]
 set -uo pipefail
@@ -93,6 +96,12 @@ if "$PY" -c "import vllm" 2>/dev/null; then
     | tee '$OUT/gpu_check_vllm.txt'"
 else
   echo "== vLLM not installed: the GPU engine checks are skipped" | tee "$OUT/gpu_check_vllm.txt"
+fi
+if "$PY" -c "import verl, vllm" 2>/dev/null; then
+  run "$PY" benchmarks/verl_grpo_smoke.py --steps 3 --out "$OUT"
+else
+  echo "== verl or vLLM not installed: the verl GRPO smoke run is skipped" \
+    | tee "$OUT/verl_grpo_smoke.txt"
 fi
 echo "== results in $OUT (status $status)"
 exit $status

@@ -750,3 +750,28 @@ def test_payload_tensor_names_round_trip_and_bad_names_are_refused():
         split_payloads([("model.embed_tokens.weight", torch.zeros(1))])
     with pytest.raises(ValueError, match=r"expected 0\.\.1"):
         split_payloads([n for n in named if not n[0].startswith("rgc.payload.1.")])
+
+
+def test_the_gpu_smoke_runs_overrides_compose_in_verls_ppo_config(model_dir, tmp_path):
+    """benchmarks/verl_grpo_smoke.py (run on a GPU by benchmarks/gpu_check.sh): its overrides,
+    those of docs/verl.md's payload sync among them, make a configuration verl composes and
+    rgc's engine serves."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from benchmarks.verl_grpo_smoke import ppo_overrides
+    from rgc.integrations.verl import check_config
+
+    config_dir = Path(verl.__file__).parent / "trainer" / "config"
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=ppo_overrides(tmp_path, 3, 1))
+    rollout = cfg.actor_rollout_ref.rollout
+    assert rollout.engine_kwargs.vllm.worker_extension_cls == (
+        "rgc.integrations.verl.worker.RGCVerlWorkerExtension")
+    assert cfg.actor_rollout_ref.model.external_lib == "rgc.integrations.verl.rollout"
+    assert rollout.free_cache_engine is False
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    model, _, _, _ = _configs(model_dir)
+    options = check_config(model, actor.engine, actor.optim, world_size=1)
+    assert options == {"rank": 8, "seed": 0, "sync": "payload"}

@@ -5,6 +5,9 @@ as verl's ``external_lib`` (``actor_rollout_ref.model.external_lib=rgc.integrati
 set ``VERL_ENGINE_VENDOR=rgc`` in the workers' environment. See docs/verl.md for the overrides.
 :mod:`rgc.integrations.verl.cpu` is a CPU platform for verl (tests, small experiments), chosen
 with ``VERL_PLATFORM=cpu``; it is registered here, before verl's engines ask for their platform.
+:mod:`~rgc.integrations.verl.sync` is the sketch-sized rollout sync (``sync: payload``), with
+verl's vLLM adapter in :mod:`~rgc.integrations.verl.rollout` and the vLLM worker extension in
+:mod:`~rgc.integrations.verl.worker` (both need vLLM).
 """
 
 import os
