@@ -33,7 +33,7 @@ pytest.importorskip("verl", reason="verl is not installed (scripts/setup_verl.sh
 pytestmark = pytest.mark.slow
 
 WORLD = 2
-STEPS = 3
+STEPS = 10
 BATCH = 8  # sequences per step, over both ranks
 MICRO = 2  # micro-batch size per rank: 2 micro-batches per rank and step
 RANK = 4
@@ -162,8 +162,19 @@ def _train_verl(rank: int, out: Path) -> dict:
     from verl.workers.utils.losses import sft_loss
 
     import rgc
+    from rgc.integrations.verl import RGCFSDPEngine
 
-    worker = _training_worker(out)
+    built_on, build = [], RGCFSDPEngine._build_fsdp_module
+
+    def recording(self, module):  # where verl built the model rgc.wrap is given
+        built_on.append(next(module.parameters()).device.type)
+        return build(self, module)
+
+    RGCFSDPEngine._build_fsdp_module = recording
+    try:
+        worker = _training_worker(out)
+    finally:
+        RGCFSDPEngine._build_fsdp_module = build
     eng = worker.engine
     metrics = []
     for step in range(STEPS):
@@ -188,7 +199,7 @@ def _train_verl(rank: int, out: Path) -> dict:
             "nan_metrics": dict(output["metrics"]),
             "nan_step_kept_weights": all(torch.equal(v, after_save[k])
                                          for k, v in _full_state(eng.module).items()),
-            "compressed": len(rgc.sketched_weights(eng.module))}
+            "compressed": len(rgc.sketched_weights(eng.module)), "built_on": built_on}
 
 
 def _resume_verl(rank: int, out: Path) -> dict:
@@ -454,8 +465,8 @@ def _train_verl_payload(rank: int, out: Path) -> dict:
         p.data.zero_()
     rollout = Adapter(rank, out, model)
     record, previous = {"steps": []}, {n: p.detach().clone() for n, p in model.named_parameters()}
-    for step in range(STEPS + 2):
-        if step == STEPS and rank == 1:
+    for step in range(5):
+        if step == 3 and rank == 1:
             with torch.no_grad():
                 model.model.layers[0].self_attn.q_proj.weight.add_(1.0)
         sync, peft = eng.get_per_tensor_param()
@@ -473,7 +484,7 @@ def _train_verl_payload(rank: int, out: Path) -> dict:
             "warnings": [str(w.message) for w in caught if "refused" in str(w.message)],
             "equal": all(torch.equal(p, trained[n]) for n, p in model.named_parameters())})
         previous = trained
-        worker.train_batch(_tensordict(_share(_sequences(step % STEPS), rank)))
+        worker.train_batch(_tensordict(_share(_sequences(step), rank)))
     return record
 
 
@@ -563,6 +574,9 @@ def moe_runs(tmp_path_factory):
 
 
 def test_verl_builds_the_rgc_engine_and_optimizer(runs):
+    # verl builds the model on the meta device on every rank but the first (its weights come
+    # from rank 0 when FSDP2 loads the full state dict)
+    assert [r["verl"]["built_on"] for r in runs] == [["cpu"], ["meta"]]
     for record in runs:
         assert record["verl"]["engine"] == "RGCFSDPEngine"
         assert record["verl"]["optimizer"] == "DistributedRowAdam"
