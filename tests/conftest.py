@@ -23,9 +23,11 @@ settings.register_profile("dev", max_examples=10, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-#: Files whose tests share a costly module fixture: the distributed runs (eight processes)
+#: Files whose tests share a costly module fixture (computed once per worker that runs any of
+#: them): the distributed runs (dense: eight processes; expert stacks: 2, 4 and 2 processes)
 #: and the ahead-of-time compilation of every kernel.
-WHOLE_FILES = ("tests/test_distributed.py", "tests/test_ops_aot.py")
+WHOLE_FILES = ("tests/test_distributed.py", "tests/test_distributed_experts.py",
+               "tests/test_ops_aot.py")
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -32,7 +32,7 @@ from tests.test_distributed import bf16_ulps, dcp_save_or_load, full_state, load
 pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable"),
               pytest.mark.slow]
 
-STEPS = 6
+STEPS = 3
 RANK = 4
 LR = {"rgc": 1e-2, "rgc-stack": 1e-2, "rowadam": 2e-3}
 FAMILIES = {"qwen3_moe": 5, "mixtral": 4}  # experts per layer

@@ -131,8 +131,9 @@ def _stacks():
 
 def test_cpu_norm_keeps_its_bits_whatever_shapes_and_dynamo_settings_come_before():
     """The compiled CPU loops never recompile (one code object per argument variant): neither a
-    user's error_on_recompile nor more layouts than dynamo's recompile limit sends a loop to
-    the eager path (which would give the same bits, only slower)."""
+    user's error_on_recompile nor more layouts than dynamo's recompile limit nor a grad mode
+    or thread count other than the first call's sends a loop to the eager path (which would
+    give the same bits, only slower)."""
     from rgc.ops import reference
 
     first = torch.randn(1, 48, 40, generator=torch.Generator().manual_seed(2)).bfloat16()
@@ -140,13 +141,25 @@ def test_cpu_norm_keeps_its_bits_whatever_shapes_and_dynamo_settings_come_before
     with torch._dynamo.config.patch(error_on_recompile=True, recompile_limit=2), \
             warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for w in _stacks():
-            got = reference.sum_squares([w], 128)[0]
+        for i, w in enumerate(_stacks()):
+            with torch.set_grad_enabled(i % 2 == 1):  # sum_squares itself runs under no_grad
+                got = reference.sum_squares([w], 128)[0]
+                rows = reference.pairwise_sums(w, square=True).double().sum(dim=-1)
             want = w.double().square().sum(dim=(1, 2))
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
+            torch.testing.assert_close(rows, want, rtol=1e-5, atol=0)
+        with torch.no_grad():
+            after_no_grad = reference.sum_squares([first], 128)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(threads + 1)
+        try:
+            after_threads = reference.sum_squares([first], 128)
+        finally:
+            torch.set_num_threads(threads)
         after = reference.sum_squares([first], 128)
     assert not [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert torch.equal(before.view(torch.int32), after.view(torch.int32))
+    for again in (after, after_no_grad, after_threads):
+        assert torch.equal(before.view(torch.int32), again.view(torch.int32))
 
 
 def test_eager_cpu_norm_converts_one_chunk_of_rows_at_a_time(monkeypatch):

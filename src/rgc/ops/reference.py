@@ -164,12 +164,24 @@ def pairwise_sums(x: torch.Tensor, *, square: bool = False) -> torch.Tensor:
     return out
 
 
+def _global_state() -> str | tuple:
+    """The global state dynamo guards every graph on (grad mode, autocast, threads, default
+    dtype, deterministic algorithms...), as dynamo records it."""
+    try:
+        return torch._C._dynamo.guards.GlobalStateGuard().__getstate__()
+    except AttributeError:  # older torch: the parts a caller is likeliest to change
+        return (torch.is_grad_enabled(), torch.is_autocast_enabled(), torch.get_num_threads(),
+                torch.get_default_dtype())
+
+
 def _variant(args) -> tuple:
     """What a compiled loop's graph is specialised on besides sizes: dtypes, ranks, sizes of
     1, contiguity and inference-mode creation of the tensor arguments, the values of the
-    other arguments (ints and bools, which the graph is traced with), and the thread's
-    dispatch keys (an operator's kernel runs below autograd, a direct call does not)."""
-    return (torch._C._dispatch_tls_local_include_set().raw_repr(),
+    other arguments (ints and bools, which the graph is traced with), the thread's dispatch
+    keys (an operator's kernel runs below autograd, a direct call does not) and dynamo's
+    global state (a step called with grad mode on after one under ``no_grad`` would
+    otherwise recompile)."""
+    return (_global_state(), torch._C._dispatch_tls_local_include_set().raw_repr(),
             torch._C._dispatch_tls_local_exclude_set().raw_repr(),
             *((a.dtype, a.dim(), tuple(n == 1 for n in a.shape), a.is_contiguous(),
                a.is_inference()) if isinstance(a, torch.Tensor) else (type(a), a)
