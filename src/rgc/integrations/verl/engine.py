@@ -1,7 +1,7 @@
 """verl's FSDP2 training engine with rgc: sketched weights and rgc's distributed optimizers.
 
 :class:`RGCFSDPEngine` is verl's ``FSDPEngineWithLMHead`` (``verl.workers.engine.fsdp``) with
-four changes, and nothing else:
+five changes, and nothing else:
 
 * before FSDP2 wraps the model, :func:`rgc.wrap` sketches its target linear layers (the
   state-dict keys stay the original ones, so verl's checkpoints, weight export and rollout

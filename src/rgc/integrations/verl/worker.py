@@ -25,7 +25,7 @@ class RGCVerlWorkerExtension(RGCWorkerExtension, vLLMColocateWorkerExtension):
         """Receive payload tensors from this rank's trainer through verl's bucketed transport
         and keep them for :meth:`rgc_prepare` (``"received:<i>"``)."""
         received: list[tuple[str, torch.Tensor]] = []
-        device = self.device if self.device is not None else torch.device("cpu")
+        device = getattr(self, "device", None) or torch.device("cpu")
         BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(), device=device,
                                use_shm=use_shm).receive_weights(
             # copied out of the transport's buffer, which the next bucket reuses
