@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -33,31 +34,12 @@ SEQ, BATCH, VOCAB = 48, 8, 512
 
 
 def _save_model(path: Path, moe: bool) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (
-        PreTrainedTokenizerFast,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-        Qwen3MoeConfig,
-        Qwen3MoeForCausalLM,
-    )
+    # tests/ as a folder on the path: .venv-verl holds a package named tests
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from verl_models import save_model
 
-    torch.manual_seed(0)
-    shape = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=4, head_dim=32,
-                 max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=1,
-                 eos_token_id=2, pad_token_id=0)
-    if moe:
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, moe_intermediate_size=128,
-                                                   num_experts=8, num_experts_per_tok=2))
-    else:
-        model = Qwen3ForCausalLM(Qwen3Config(**shape))
-    model.to(torch.bfloat16).save_pretrained(path)
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
+    save_model(path, moe=moe, vocab=VOCAB, hidden=256, intermediate=768, layers=4, heads=8,
+               kv_heads=4, head_dim=32, positions=128, experts=8, moe_intermediate=128)
 
 
 def _batch(step: int):

@@ -30,6 +30,8 @@ import torch
 
 pytest.importorskip("verl", reason="verl is not installed (scripts/setup_verl.sh)")
 
+from verl_models import save_model  # noqa: E402  (tests/ is on sys.path, see test_verl_sft)
+
 pytestmark = pytest.mark.slow
 
 WORLD = 2
@@ -49,31 +51,7 @@ KL_STEPS = 2
 
 def _save_model(path: Path, moe: bool = False) -> None:
     """A tiny BF16 Qwen3 (or Qwen3-MoE: 4 experts, 2 per token) and a word-level tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (
-        PreTrainedTokenizerFast,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-        Qwen3MoeConfig,
-        Qwen3MoeForCausalLM,
-    )
-
-    torch.manual_seed(0)
-    shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                 max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1,
-                 eos_token_id=2, pad_token_id=0)
-    if moe:
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, moe_intermediate_size=16,
-                                                   num_experts=4, num_experts_per_tok=2))
-    else:
-        model = Qwen3ForCausalLM(Qwen3Config(**shape))
-    model.to(torch.bfloat16).save_pretrained(path)
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
+    save_model(path, moe=moe, vocab=VOCAB)
 
 
 def _sequences(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
