@@ -217,6 +217,10 @@ def adamw_dense(grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
     return Proposal(direction, coef, decay, ok)
 
 
+#: Elements of a moment that :func:`carry_moment` converts to float64 at once.
+CARRY_CHUNK = 1 << 16
+
+
 def carry_moment(moment: torch.Tensor, old_projection: torch.Tensor,
                  new_projection: torch.Tensor) -> torch.Tensor:
     """A first moment ``m`` (d x r FP32) in the basis of ``old_projection`` moved to the new one.
@@ -227,8 +231,25 @@ def carry_moment(moment: torch.Tensor, old_projection: torch.Tensor,
         m_new = m (P_old^T P_old)^+ P_old^T P_new
 
     which is ``m P_old^T P_new / (k/r)`` for the scaled orthonormal kind and ``m`` itself when
-    ``P_new = P_old``. Only r x r matrices are formed (in float64); returns a new d x r FP32.
+    ``P_new = P_old``. Only r x r matrices are formed (in float64); returns a new FP32 tensor of
+    ``m``'s shape (``[..., d, r]``).
+
+    The product with ``m`` is formed in float64, :data:`CARRY_CHUNK` elements of ``m`` at a time,
+    and rounded once to FP32: an FP32 GEMM's bits depend on how many rows it is given (MKL's
+    AVX2 kernels), so a rank's shard of ``m`` would otherwise not carry as the same rows of the
+    whole ``m`` do; in float64 the order of the r products moves the FP32 result only at a
+    rounding tie.
     """
     old = old_projection.to(torch.float64)
     transfer = torch.linalg.pinv(old.t() @ old) @ (old.t() @ new_projection.to(torch.float64))
-    return moment @ transfer.to(torch.float32)
+    del old
+    r = moment.shape[-1]
+    rows = moment.reshape(-1, r)
+    out = torch.empty(moment.shape, dtype=torch.float32, device=moment.device)
+    flat = out.view(-1, r)
+    step = max(1, CARRY_CHUNK // max(r, 1))
+    for start in range(0, rows.shape[0], step):
+        part = rows[start:start + step].to(torch.float64)
+        flat[start:start + step] = part @ transfer
+        del part  # before the next chunk's
+    return out
