@@ -235,10 +235,10 @@ def carry_moment(moment: torch.Tensor, old_projection: torch.Tensor,
     ``m``'s shape (``[..., d, r]``).
 
     The product with ``m`` is formed in float64, :data:`CARRY_CHUNK` elements of ``m`` at a time,
-    and rounded once to FP32: an FP32 GEMM's bits depend on how many rows it is given (MKL's
-    AVX2 kernels), so a rank's shard of ``m`` would otherwise not carry as the same rows of the
-    whole ``m`` do; in float64 the order of the r products moves the FP32 result only at a
-    rounding tie.
+    and rounded once to FP32: an FP32 GEMM's bits depend on how many rows it is given (MKL,
+    on AVX2 and AVX-512 alike), so a rank's shard of ``m`` would otherwise not carry as the
+    same rows of the whole ``m`` do; in float64 the order of the r products moves the FP32
+    result only at a rounding tie.
     """
     old = old_projection.to(torch.float64)
     transfer = torch.linalg.pinv(old.t() @ old) @ (old.t() @ new_projection.to(torch.float64))
