@@ -21,6 +21,9 @@ pytest.importorskip("transformers")
 def _optimizer(name, model, **kwargs):
     if name == "rgc":
         return rgc.RGCOptimizer(model.parameters(), lr=3e-3, **kwargs)
+    if name == "rgc_momentum":  # buffers that an expert without tokens must not move
+        return rgc.RGCOptimizer(model.parameters(), lr=3e-3, momentum=0.9, nesterov=True,
+                                **kwargs)
     return rgc.RowAdam(model.parameters(), lr=1e-3, **kwargs)
 
 
@@ -66,7 +69,7 @@ def _route_to_first_two(model):
             module.register_forward_hook(hook)
 
 
-@pytest.mark.parametrize("opt_name", ["rgc", "rowadam"])
+@pytest.mark.parametrize("opt_name", ["rgc", "rgc_momentum", "rowadam"])
 @pytest.mark.parametrize("expert_norm", ["stack", "expert"])
 def test_an_expert_without_tokens_keeps_its_bits(opt_name, expert_norm):
     if opt_name == "rowadam" and expert_norm == "expert":
@@ -74,7 +77,7 @@ def test_an_expert_without_tokens_keeps_its_bits(opt_name, expert_norm):
     model = tiny_moe("qwen3_moe", dtype=torch.bfloat16, experts=4)
     rgc.wrap(model, rank=4)
     _route_to_first_two(model)  # experts 2 and 3 receive no token
-    kwargs = {"expert_norm": expert_norm} if opt_name == "rgc" else {}
+    kwargs = {"expert_norm": expert_norm} if opt_name.startswith("rgc") else {}
     opt = _optimizer(opt_name, model, **kwargs)
     before = {n: p.detach().clone() for n, p in _experts(model).items()}
     for step in range(3):
@@ -107,11 +110,12 @@ def test_stack_update_is_each_experts_update_against_float64(transposed):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-@pytest.mark.parametrize("opt_name", ["rgc", "rowadam"])
+@pytest.mark.parametrize("opt_name", ["rgc", "rgc_momentum", "rowadam"])
 def test_receiver_of_expert_payloads_stays_bit_identical(family, opt_name):
     base = tiny_moe(family, dtype=torch.bfloat16)
     model = copy.deepcopy(base)
-    rgc.wrap(model, rank=4, preset="rgc" if opt_name == "rgc" else "logra")
+    rgc.wrap(model, rank=4, preset="logra" if opt_name == "rowadam" else "rgc",
+             **({"refresh": 2} if opt_name == "rgc_momentum" else {}))
     opt = _optimizer(opt_name, model, keep_updates=True)
     receiver = copy.deepcopy(base)
     for step in range(1, 6):

@@ -19,11 +19,15 @@ def _base():
 
 def _trainer(base, opt_name, *, step_control=None):
     model = copy.deepcopy(base)
-    rgc.wrap(model, 4, preset="rgc" if opt_name == "rgc" else "logra")
+    if opt_name == "rgc_momentum":  # momentum carried across a refresh every 3 updates
+        rgc.wrap(model, 4, refresh=3)
+    else:
+        rgc.wrap(model, 4, preset="rgc" if opt_name == "rgc" else "logra")
     model.norm.weight.requires_grad_(True)  # a dense trainable parameter travels too
-    if opt_name == "rgc":
+    if opt_name.startswith("rgc"):
         opt = rgc.RGCOptimizer(model.parameters(), lr=2e-2, keep_updates=True,
-                               step_control=step_control)
+                               step_control=step_control,
+                               momentum=0.9 if opt_name == "rgc_momentum" else 0.0)
     else:
         opt = rgc.RowAdam(model.parameters(), lr=1e-2, weight_decay=0.1, keep_updates=True,
                           step_control=step_control)
@@ -39,7 +43,8 @@ def _step(model, opt, step):
 
 
 @pytest.mark.parametrize("opt_name, controlled, as_state_dict", [
-    ("rgc", False, False), ("rowadam", True, True), ("rowadam", False, False)])
+    ("rgc", False, False), ("rgc_momentum", True, False), ("rowadam", True, True),
+    ("rowadam", False, False)])
 def test_receiver_stays_bit_identical_for_20_steps(opt_name, controlled, as_state_dict):
     base = _base()
     ctl = rgc.PredictedKL(1e-3, 1e-4, anneal_steps=10, max_scale=4.0) if controlled else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rgc.optim.base import SketchOptimizer, check_common_args, check_weight_decay, group_lr
-from rgc.optim.rules import Proposal, rgc_dense, rgc_stack
+from rgc.optim.rules import Partials, Proposal, carry_moment, rgc_dense, rgc_stack, sketch_momentum_
 
 EXPERT_NORMS = ("stack", "expert")
 
@@ -13,6 +13,15 @@ EXPERT_NORMS = ("stack", "expert")
 def check_expert_norm(expert_norm) -> None:
     if expert_norm not in EXPERT_NORMS:
         raise ValueError(f"expert_norm must be one of {EXPERT_NORMS}, got {expert_norm!r}")
+
+
+def check_momentum(momentum, nesterov) -> None:
+    """ValueError for a ``momentum`` outside [0, 1) or ``nesterov`` without momentum."""
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) \
+            or not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+    if nesterov and momentum == 0:
+        raise ValueError("nesterov=True needs a momentum > 0 (as torch.optim.SGD)")
 
 
 class RGCOptimizer(SketchOptimizer):
@@ -70,11 +79,30 @@ class RGCOptimizer(SketchOptimizer):
             move this step (a finite, non-zero sketch or gradient); with ``maximize`` it still
             shrinks W. Default 0 (RGC's rule keeps ``||W||``'s scale by itself; trainers such as
             verl pass a ``weight_decay`` to every optimizer).
+        momentum: the momentum of the sketches (see **Momentum**); default 0 (none).
+        nesterov: Nesterov's variant of that momentum (as ``torch.optim.SGD``'s).
 
     **Dtypes.** Weights of compressed layers are BF16 or FP32. Any other real parameter is
     updated with FP32 arithmetic: an FP64 parameter receives an FP32-computed value each step
     (precision beyond FP32 is lost), an FP16 one is written with round-to-nearest. Complex
     parameters are refused at construction.
+
+    **Momentum** (``momentum > 0``): the direction of a sketched weight is built from a
+    momentum buffer ``M`` in sketch space (d x r FP32, ``state['momentum_buffer']``; ``E x d
+    x r`` for an expert stack) instead of the step's sketch alone (:func:`rgc.optim.rules.
+    sketch_momentum_`)::
+
+        M <- momentum * M + C,   H = M P^T    (Nesterov: H = (C + momentum * M) P^T)
+
+    then normalised as above. With a fixed projection (``refresh='never'`` or every N
+    updates) this is exactly heavy-ball momentum on the projected gradient; when ``P`` is
+    refreshed, ``M`` is carried into the new basis by the r x r change of basis
+    (:func:`rgc.optim.rules.carry_moment`), which keeps only its part in the span of the
+    new ``P``: with a new ``P`` every step most of it is lost, so use momentum with a
+    projection refreshed every N updates. A matrix whose sketch is not finite or all zero
+    (an expert that received no token) keeps its buffer and does not move. Dense parameters
+    take the normalised rule on their gradient without momentum. Costs one d x r FP32 tensor
+    per sketched weight.
 
     ``zero_grad()`` clears sketches as well as gradients. A backward must complete before
     ``step()``: a forward run before a step and backpropagated after it raises.
@@ -86,13 +114,15 @@ class RGCOptimizer(SketchOptimizer):
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, *, chunk_rows: int | None = None,
                  stochastic_rounding: bool = True, seed: int = 0, step_control=None,
                  keep_updates: bool = False, maximize: bool = False,
-                 expert_norm: str = "expert", weight_decay: float = 0.0, comm=None):
+                 expert_norm: str = "expert", weight_decay: float = 0.0,
+                 momentum: float = 0.0, nesterov: bool = False, comm=None):
         check_common_args(lr, chunk_rows, seed)
         check_expert_norm(expert_norm)
         check_weight_decay(weight_decay)
+        check_momentum(momentum, nesterov)
         defaults = dict(lr=lr, chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding,
                         seed=seed, maximize=maximize, expert_norm=expert_norm,
-                        weight_decay=weight_decay)
+                        weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)
         super().__init__(params, defaults, step_control=step_control, keep_updates=keep_updates,
                          comm=comm)
 
@@ -100,6 +130,37 @@ class RGCOptimizer(SketchOptimizer):
         super()._check_group(group)
         check_expert_norm(group["expert_norm"])
         check_weight_decay(group["weight_decay"])
+        check_momentum(group.setdefault("momentum", 0.0), group.setdefault("nesterov", False))
+
+    def _stack_sums(self, entries) -> Partials:
+        """With momentum, the step's direction replaces each sketch before it is measured."""
+        group = entries[0].group
+        if group.get("momentum", 0.0):  # a group saved before momentum existed has none
+            sketches = [e.owner.sketch_matrices() for e in entries]
+            buffers = [self._momentum_buffer(e.state, s, e.param.dim() == 2)
+                       for e, s in zip(entries, sketches, strict=True)]
+            sketch_momentum_(sketches, buffers, momentum=group["momentum"],
+                             nesterov=group.get("nesterov", False))
+        return super()._stack_sums(entries)
+
+    @staticmethod
+    def _momentum_buffer(state: dict, sketch: torch.Tensor, flat: bool) -> torch.Tensor:
+        """``state['momentum_buffer']`` as ``[E, d, r]`` (``d x r`` stored for a 2-D weight,
+        ``flat``), zeros at first."""
+        if "momentum_buffer" not in state:
+            shape = sketch.shape[1:] if flat else sketch.shape
+            state["momentum_buffer"] = torch.zeros(shape, dtype=torch.float32,
+                                                   device=sketch.device)
+        buffer = state["momentum_buffer"]
+        return buffer.unsqueeze(0) if flat else buffer
+
+    def _refresh_projections(self, entries) -> None:
+        carried = [(e, e.owner.projection.clone()) for e in entries
+                   if "momentum_buffer" in e.state]
+        super()._refresh_projections(entries)
+        for e, old in carried:
+            e.state["momentum_buffer"] = carry_moment(e.state["momentum_buffer"], old,
+                                                      e.owner.projection)
 
     def _propose_stack(self, entries, group, partials) -> Proposal:
         return rgc_stack(partials, [e.owner.sketch_matrices() for e in entries],

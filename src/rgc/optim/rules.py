@@ -23,7 +23,8 @@ import torch
 from rgc import ops
 
 __all__ = ["Partials", "Proposal", "adamw_dense", "carry_moment", "decay_coefs", "normalized_coef",
-           "rgc_dense", "rgc_stack", "row_adam_stack", "sketch_norm", "sqrt32"]
+           "rgc_dense", "rgc_stack", "row_adam_stack", "sketch_momentum_", "sketch_norm",
+           "sqrt32"]
 
 
 @dataclass
@@ -146,6 +147,29 @@ def rgc_dense(partials: Partials, grad: torch.Tensor, *, lr, maximize: bool,
                                    partials.finite.reshape(()))
     return Proposal(grad, -coef if maximize else coef, decay_coefs(lr, weight_decay, active),
                     active)
+
+
+def sketch_momentum_(sketches: list[torch.Tensor], buffers: list[torch.Tensor], *,
+                     momentum: float, nesterov: bool) -> None:
+    """Heavy-ball momentum in sketch space, in place: for every matrix (``[E, d, r]`` FP32
+    sketches ``C`` and momentum buffers ``M`` of one shape)::
+
+        M <- momentum * M + C
+        C <- M                          (or C + momentum * M with ``nesterov``)
+
+    With a fixed projection, ``M P^T`` is exactly the momentum of the projected gradients
+    ``G P P^T``. A matrix whose sketch is not finite, or is all zero (an expert that received
+    no token), keeps both: its sketch then still reads as skipped (or empty) to the rule.
+    Products and sums are separate FP32 roundings, so the bits do not depend on the CPU's
+    vector width.
+    """
+    for sketch, buffer in zip(sketches, buffers, strict=True):
+        flat = sketch.flatten(1)
+        moves = (torch.isfinite(flat).all(1) & (flat != 0).any(1)).view(-1, 1, 1)
+        carried = buffer.mul(momentum).add_(sketch)
+        buffer.copy_(torch.where(moves, carried, buffer))
+        direction = sketch.add(carried.mul_(momentum)) if nesterov else carried
+        sketch.copy_(torch.where(moves, direction, sketch))
 
 
 # -- RowAdam: Adam with one second moment per row of the sketch -------------------------------
