@@ -19,7 +19,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import torch
-from grpo.methods import METHODS
+from grpo.methods import METHODS, RGC
 from grpo.model import ModelConfig, WarmStart, warm_start
 from grpo.rollout import accuracy
 from grpo.task import make_splits
@@ -50,7 +50,8 @@ class Preset:
     n_test: int = 2000
     rank: int = 16
     lr: dict = field(default_factory=lambda: {
-        "adamw": 1e-4, "adamw_proj": 1e-4, "lora": 1e-3, "rgc": 1e-4, "rowadam": 1e-4})
+        "adamw": 1e-4, "adamw_proj": 1e-4, "lora": 1e-3, "rgc": 1e-4, "rowadam": 1e-4,
+        "rgc_momentum": 1e-4, "rgc_nesterov": 1e-4, "rowadam_plain": 1e-4})
 
     def __post_init__(self):
         unknown = [m for m in self.methods if m not in METHODS]
@@ -115,8 +116,8 @@ def build_method(run: Run, base_state: dict, preset: Preset, compute: rgc.comput
     """The method of ``run`` on a fresh copy of the base, in the compute mode."""
     cls = METHODS[run.kind]
     kwargs = dict(rank=preset.rank, seed=run.seed, steps=preset.grpo.steps)
-    if run.kind == "rgc":  # tau = mult * calibrate_lr(model, lr)
-        method = cls(base_state, preset.model, lr=preset.lr["rgc"], tau_scale=run.mult,
+    if issubclass(cls, RGC):  # tau = mult * calibrate_lr(model, lr)
+        method = cls(base_state, preset.model, lr=preset.lr[run.kind], tau_scale=run.mult,
                      **kwargs)
     else:
         method = cls(base_state, preset.model, lr=preset.lr[run.kind] * run.mult, **kwargs)

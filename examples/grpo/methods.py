@@ -179,22 +179,26 @@ class RGC(Method):
     """rgc.wrap + RGCOptimizer; ``lr`` is the AdamW rate that calibrate_lr turns into tau.
 
     tau = ``tau_scale * rgc.calibrate_lr(policy, lr)`` (METHOD.md tries scales 1 and 3).
+    Subclasses set ``refresh`` (the projection's schedule) and ``options`` (the optimizer's).
     """
 
     kind = "rgc"
     name = "RGC"
+    refresh = "every_step"
+    options: dict = {}
 
     def __init__(self, *args, tau_scale: float = 1.0, **kwargs):
         super().__init__(*args, **kwargs)
         self.tau_scale = tau_scale
-        rgc.wrap(self.policy, self.rank, targets=WRAP_TARGETS, seed=self.seed)
+        rgc.wrap(self.policy, self.rank, targets=WRAP_TARGETS, seed=self.seed,
+                 refresh=self.refresh)
         self.tau = tau_scale * rgc.calibrate_lr(self.policy, self.lr)
         self.opt = rgc.RGCOptimizer([p for p in self.policy.parameters() if p.requires_grad],
-                                    lr=self.tau, seed=self.seed)
+                                    lr=self.tau, seed=self.seed, **self.options)
 
     @property
     def label(self):
-        return f"rgc r={self.rank} tau={self.tau_scale:g}x ({self.tau:.3g})"
+        return f"{self.kind} r={self.rank} tau={self.tau_scale:g}x ({self.tau:.3g})"
 
     def step(self, tokens):
         self.opt.step()  # also zeroes the sketches, keeping their storage
@@ -202,6 +206,27 @@ class RGC(Method):
 
     def state_tensors(self):
         yield from sketches(self.policy)
+        yield from (s["momentum_buffer"] for s in self.opt.state.values()
+                    if "momentum_buffer" in s)
+
+
+class RGCMomentum(RGC):
+    """RGC with heavy-ball momentum 0.9 in sketch space; P refreshed every 10 updates (the
+    buffer carried into each new basis)."""
+
+    kind = "rgc_momentum"
+    name = "RGC + momentum"
+    refresh = 10
+    options = {"momentum": 0.9}
+
+
+class RGCNesterov(RGC):
+    """As :class:`RGCMomentum`, with Nesterov's variant."""
+
+    kind = "rgc_nesterov"
+    name = "RGC + Nesterov"
+    refresh = 10
+    options = {"momentum": 0.9, "nesterov": True}
 
 
 class RowAdam(Method):
@@ -241,6 +266,35 @@ class RowAdam(Method):
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
+class RowAdamPlain(Method):
+    """rgc.RowAdam on RGC's orthonormal projections refreshed every 10 updates (the first
+    moment carried into each new basis), without step control: per-row second moments on the
+    sketch at an Adam rate."""
+
+    kind = "rowadam_plain"
+    name = "RowAdam, refreshed P"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        rgc.wrap(self.policy, self.rank, targets=WRAP_TARGETS, refresh=10, seed=self.seed)
+        self.opt = rgc.RowAdam([p for p in self.policy.parameters() if p.requires_grad],
+                               lr=self.lr, seed=self.seed)
+
+    @property
+    def label(self):
+        return f"rowadam r={self.rank} lr={self.lr:.3g} P/10"
+
+    def step(self, tokens):
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+        return {}
+
+    def state_tensors(self):
+        yield from sketches(self.policy)
+        for state in self.opt.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
 def sketches(policy) -> Iterator[torch.Tensor]:
     """The FP32 sketches of every sketched weight (linear layers and expert stacks)."""
     for _, owner in rgc.sketched_weights(policy):
@@ -249,4 +303,6 @@ def sketches(policy) -> Iterator[torch.Tensor]:
 
 
 METHODS: dict[str, type[Method]] = {"adamw": DenseAdamW, "adamw_proj": DenseAdamWProjections,
-                                     "lora": LoRA, "rgc": RGC, "rowadam": RowAdam}
+                                     "lora": LoRA, "rgc": RGC, "rowadam": RowAdam,
+                                     "rgc_momentum": RGCMomentum, "rgc_nesterov": RGCNesterov,
+                                     "rowadam_plain": RowAdamPlain}

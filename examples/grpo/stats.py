@@ -65,10 +65,19 @@ def seeds_and_questions_bootstrap(diffs: np.ndarray, *, shared_questions: bool, 
     land (docs/demo.md). Returns points (x100).
     """
     diffs = np.asarray(diffs, dtype=np.float64)
+    means = _resampled_means(diffs, shared_questions, np.random.default_rng(seed), resamples)
+    s, n = diffs.shape  # checked by _resampled_means
+    return {**_interval(means, float(diffs.mean()), level), "seeds": s, "n": n,
+            "shared_questions": shared_questions}
+
+
+def _resampled_means(diffs: np.ndarray, shared_questions: bool, rng: np.random.Generator,
+                     resamples: int) -> np.ndarray:
+    """(resamples,) means of :func:`seeds_and_questions_bootstrap`'s resamples of ``diffs``."""
+    diffs = np.asarray(diffs, dtype=np.float64)
     if diffs.ndim != 2 or diffs.shape[0] < 1 or diffs.shape[1] < 1:
         raise ValueError(f"diffs must be (seeds, questions) with both >= 1, got {diffs.shape}")
     s, n = diffs.shape
-    rng = np.random.default_rng(seed)
     # As in paired_difference, resampling questions only redraws how often each distinct
     # value (here: each distinct column, at most 3^S of them for 0/1 correctness) comes up.
     if shared_questions:
@@ -83,6 +92,20 @@ def seeds_and_questions_bootstrap(diffs: np.ndarray, *, shared_questions: bool, 
             values, freq = np.unique(diffs[k], return_counts=True)
             here = drawn == k
             sums[here] = rng.multinomial(n, freq / n, size=int(here.sum())) @ values
-    means = sums.sum(1) / (s * n)
-    return {**_interval(means, float(diffs.mean()), level), "seeds": s, "n": n,
-            "shared_questions": shared_questions}
+    return sums.sum(1) / (s * n)
+
+
+def stratified_bootstrap(strata: list[np.ndarray], *, seed: int, resamples: int = 10000,
+                         level: float = 0.95) -> dict:
+    """The mean over strata (each weighted equally) of the mean paired difference within each.
+
+    strata: one (S_b, n_b) array per base policy (its seeds x its own test questions, shared
+    by its seeds); each is resampled as :func:`seeds_and_questions_bootstrap` does with
+    ``shared_questions``, independently of the others. Returns points (x100).
+    """
+    rng = np.random.default_rng(seed)
+    strata = [np.asarray(d, dtype=np.float64) for d in strata]
+    means = np.mean([_resampled_means(d, True, rng, resamples) for d in strata], axis=0)
+    estimate = float(np.mean([d.mean() for d in strata]))
+    return {**_interval(means, estimate, level), "strata": len(strata),
+            "seeds": sum(d.shape[0] for d in strata)}
