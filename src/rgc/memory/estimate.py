@@ -600,6 +600,29 @@ def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None =
                               carry))
 
 
+def momentum_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None = None,
+                              implementation: str = "torch", weight_itemsize: int = 2,
+                              experts: int = 1, old_projections: int | None = None,
+                              projections: int = 1) -> int:
+    """Largest transient of one RGCOptimizer update with momentum of a d x k weight at rank r.
+
+    As :func:`rgc_step_temporaries`, and: the momentum step before the sums (the new buffer,
+    its selected copy, and with Nesterov the direction and its selected copy: 12dr at most;
+    ``rgc.optim.rules.sketch_momentum_``); after the updates, the copies of every refreshed
+    weight's old P (``old_projections``) beside the regeneration or the buffer's carry into
+    the new basis (:func:`rowadam_step_temporaries` counts the same carry).
+    """
+    dr = experts * d * r
+    if old_projections is None:
+        old_projections = k * r * weight_itemsize
+    carry = max(16 * k * r + 16 * r * r, 4 * dr + 12 * r * r + 16 * min(dr, CARRY_CHUNK))
+    return UPDATE_SCALAR_BYTES + max(
+        12 * dr, _norm_temp(d, k, r, experts, implementation),
+        _update_temp(d, k, r, chunk_rows, implementation),
+        old_projections + max(_refresh_temp(k, r, weight_itemsize, implementation, projections),
+                              carry))
+
+
 # -- compute mode (rgc.compute): FP32 matmuls on low-precision weights ----------------------
 
 def compute_copy_bytes(linears: Iterable[LinearShape], n_tokens: int = 0) -> int:
@@ -668,6 +691,10 @@ def _plan_sketch(spec, chosen, rank, *, method, chunk_rows, implementation):
              # RGCOptimizer: counters and 0-dim norms per layer, nothing per element
              "optimizer_state": 0}
     temps = rgc_step_temporaries
+    if method == "rgc-momentum":
+        temps = functools.partial(momentum_step_temporaries,
+                                  old_projections=parts["projections"])
+        parts["optimizer_state"] = sum(s.experts * s.d * rank * FP32 for s in chosen)
     if method == "rowadam":
         # the copies of every old P are held while the projections are regenerated
         temps = functools.partial(rowadam_step_temporaries,
@@ -799,6 +826,7 @@ DENSE_STEP_TEMPORARIES: dict[tuple[str, str], float] = {
 _METHODS = {
     "rgc": (_plan_sketch, True, True, True),
     "rowadam": (_plan_sketch, True, True, True),
+    "rgc-momentum": (_plan_sketch, True, True, True),
     "lora": (_plan_lora, True, True, True),
     "adamw": (_plan_adamw, False, False, True),
     "adamw-bf16": (_plan_bf16_dense, False, False, True),
@@ -857,7 +885,8 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
         model_or_config: an ``nn.Module``, a config dict, or the path of a local Hugging Face
             ``config.json`` (or of its folder) of a Llama, Mistral, Qwen2, Qwen3 or GPT-2 model.
         method: one of :data:`METHODS`: 'rgc' (:class:`rgc.RGCOptimizer` on
-            :func:`rgc.wrap`), 'rowadam' (RowAdam on the same wrapped layers), 'lora' (peft
+            :func:`rgc.wrap`), 'rowadam' (RowAdam on the same wrapped layers),
+            'rgc-momentum' (RGCOptimizer with ``momentum > 0``), 'lora' (peft
             LoRA on the same targets), 'galore', 'apollo', 'apollo-mini' (galore-torch and
             apollo-torch on the targets' weights), 'adamw' (dense, FP32 master copy), and the
             AdamW variants training every parameter in BF16: 'adamw-bf16' (torch), 'adamw-bf16-sr'
@@ -905,6 +934,8 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
       ``in_features``) raises its ``ValueError``, as wrap would.
     * rowadam: rgc's, plus m (d x r, 4) and v (d, 4) per target (and AdamW moments for
       trainable biases); step temporaries per :func:`rowadam_step_temporaries`.
+    * rgc-momentum: rgc's with ``momentum > 0``, plus the momentum buffer (d x r, 4) per
+      target; step temporaries per :func:`momentum_step_temporaries`.
     * lora: peft-style A (r x k) and B (d x r) in FP32 per target, their FP32 gradients and two
       FP32 AdamW moments (16 bytes per adapter element); fused AdamW (no step temporaries).
     * adamw: the mixed-precision recipe of ``benchmarks/memory.py``: weights in ``dtype`` for

@@ -170,6 +170,7 @@ def sketch_momentum_(sketches: list[torch.Tensor], buffers: list[torch.Tensor], 
         buffer.copy_(torch.where(moves, carried, buffer))
         direction = sketch.add(carried.mul_(momentum)) if nesterov else carried
         sketch.copy_(torch.where(moves, direction, sketch))
+        del carried, direction  # before the next matrix's
 
 
 # -- RowAdam: Adam with one second moment per row of the sketch -------------------------------
