@@ -47,12 +47,14 @@ RANK = 4
 STEPS = 10
 BATCH = 8  # a share for each of 2 and 4 processes
 TIMEOUT_S = 600  # a hang guard; the longest run takes about a minute on 2 idle cores
-LR = {"rgc": 1e-2, "rowadam": 2e-3}
+LR = {"rgc": 1e-2, "rowadam": 2e-3, "rgc-momentum": 1e-2}
 BUDGET = (2e-5, 2e-6)  # PredictedKL's annealed budget: alpha < 1 on most steps
 COMPRESSED = ("up_proj.weight", "down_proj.weight", "o_proj.weight")
 SHAPES = {"up_proj.weight": (37, 24), "down_proj.weight": (16, 37), "o_proj.weight": (3, 16)}
 SCENARIOS = [(rule, mode, kl) for rule in ("rgc", "rowadam") for mode in ("dp", "fsdp")
              for kl in (False, True)]
+# RGCOptimizer with Nesterov momentum, its buffer carried into the new P after every step
+SCENARIOS += [("rgc-momentum", mode, False) for mode in ("dp", "fsdp")]
 
 
 class Net(nn.Module):
@@ -114,6 +116,8 @@ def make_optimizer(rule: str, params, *, distributed: bool, kl: bool, **kwargs):
     cls = {("rgc", False): rgc.RGCOptimizer, ("rgc", True): DistributedRGCOptimizer,
            ("rowadam", False): rgc.RowAdam, ("rowadam", True): DistributedRowAdam}
     extra = {"weight_decay": 0.01} if rule == "rowadam" else {}
+    if rule == "rgc-momentum":
+        rule, extra = "rgc", {"momentum": 0.9, "nesterov": True}
     return cls[rule, distributed](params, lr=LR[rule], seed=5, step_control=ctl,
                                   **extra, **kwargs), ctl
 
@@ -686,8 +690,9 @@ def test_bytes_per_step_are_the_sketches_plus_a_few_scalars(runs, world):
             else:
                 flags = world * 3 * 4
                 expected = [("reduce_scatter", _sketch_bytes(mode, world, kl) + flags)]
-                per_param = 3 if rule == "rgc" else 2
-                scalars = 3 * per_param + 2 * head_trained * (3 if rule == "rgc" else 1)
+                normalised = rule.startswith("rgc")
+                per_param = 3 if normalised else 2
+                scalars = 3 * per_param + 2 * head_trained * (3 if normalised else 1)
                 expected.append(("all_reduce", 4 * scalars))
                 if kl:
                     expected.append(("all_gather", _sketch_bytes(mode, world, kl) // world))
