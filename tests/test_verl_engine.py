@@ -666,6 +666,13 @@ def test_grad_norm_is_rgcs_and_clipping_applies(runs):
     ({"optim": {"override_optimizer_config": {"seed": 1}}}, "rank=None"),
     ({"optim": {"override_optimizer_config": {"rank": 4, "rnak": 1}}}, "['rnak']"),
     ({"optim": {"override_optimizer_config": {"rank": 4, "preset": "galore"}}}, "preset"),
+    ({"optim": {"override_optimizer_config": {"rank": 4, "refresh": 0}}}, "refresh"),
+    ({"optim": {"optimizer": "RowAdam", "override_optimizer_config": {"rank": 4,
+                                                                      "momentum": 0.9}}},
+     "not RowAdam's"),
+    ({"optim": {"optimizer": "RGCOptimizer", "override_optimizer_config": {"rank": 4,
+                                                                           "momentum": 1.5}}},
+     "momentum must be a number in [0, 1)"),
 ])
 def test_configurations_rgc_cannot_serve_are_refused(model_dir, change, words):
     from dataclasses import replace
@@ -682,10 +689,15 @@ def test_configurations_rgc_cannot_serve_are_refused(model_dir, change, words):
 
 
 def test_the_test_configuration_is_served(model_dir):
+    from dataclasses import replace
+
     from rgc.integrations.verl import check_config
 
     model, engine, optim, _ = _configs(model_dir)
     assert check_config(model, engine, optim, world_size=WORLD) == {"rank": RANK, "seed": SEED}
+    momentum = {"rank": RANK, "refresh": 10, "momentum": 0.9, "nesterov": True}
+    optim = replace(optim, optimizer="RGCOptimizer", override_optimizer_config=momentum)
+    assert check_config(model, engine, optim, world_size=WORLD) == momentum
 
 
 def _documented_overrides() -> list[str]:

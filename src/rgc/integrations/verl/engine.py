@@ -44,6 +44,8 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 import rgc
 from rgc.distributed import DistributedRGCOptimizer, DistributedRowAdam
 from rgc.integrations.verl.sync import RolloutSync
+from rgc.optim.rgc import check_momentum
+from rgc.sketched import check_refresh
 
 #: ``VERL_ENGINE_VENDOR`` value that selects :class:`RGCFSDPEngine`.
 VENDOR = "rgc"
@@ -59,6 +61,11 @@ OVERRIDE_KEYS = {
     "seed": "projection and rounding seed, the same on every rank (default 0)",
     "targets": "names of the linear layers to sketch (default: rgc.DEFAULT_TARGETS)",
     "eps": "RowAdam's eps (default 1e-8)",
+    "refresh": "the projections' schedule: 'every_step', 'never' or every N updates "
+               "(default: the preset's)",
+    "momentum": "RGCOptimizer's momentum in sketch space (default 0; pair it with a refresh "
+                "every N updates)",
+    "nesterov": "RGCOptimizer's Nesterov variant of that momentum (default False)",
     "step_control": "None, or the keyword arguments of rgc.PredictedKL (e.g. {budget: 2e-4})",
     "sync": "'full' (verl's weight sync, default) or 'payload' (get_per_tensor_param() "
             "carries the steps' rgc payloads: rgc.integrations.verl.sync)",
@@ -123,6 +130,19 @@ def check_config(model_config, engine_config, optimizer_config, world_size: int)
     if options.get("preset", "rgc") not in rgc.nn.PRESETS:
         problems.append(f"optim.override_optimizer_config.preset={options.get('preset')!r}: "
                         f"one of {sorted(rgc.nn.PRESETS)}")
+    if "refresh" in options:
+        try:
+            check_refresh(options["refresh"])
+        except ValueError as e:
+            problems.append(f"optim.override_optimizer_config.refresh: {e}")
+    if {"momentum", "nesterov"} & set(options):
+        if optimizer_config.optimizer != "RGCOptimizer":
+            problems.append("optim.override_optimizer_config.momentum/nesterov: RGCOptimizer's "
+                            f"options, not {optimizer_config.optimizer}'s")
+        try:
+            check_momentum(options.get("momentum", 0.0), options.get("nesterov", False))
+        except ValueError as e:
+            problems.append(f"optim.override_optimizer_config: {e}")
     if options.get("sync", "full") not in SYNC_MODES:
         problems.append(f"optim.override_optimizer_config.sync={options.get('sync')!r}: one "
                         f"of {list(SYNC_MODES)}")
@@ -178,7 +198,8 @@ class RGCFSDPEngine(FSDPEngineWithLMHead):
         if self.uses_rgc:
             opts = self.rgc_options
             rgc.wrap(module, opts["rank"], targets=opts.get("targets"),
-                     preset=opts.get("preset", "rgc"), seed=opts.get("seed", 0))
+                     preset=opts.get("preset", "rgc"), seed=opts.get("seed", 0),
+                     refresh=opts.get("refresh"))
             if not rgc.sketched_weights(module):
                 raise ValueError("rgc.wrap compressed no layer of this model")
         return super()._build_fsdp_module(module)
@@ -192,6 +213,9 @@ class RGCFSDPEngine(FSDPEngineWithLMHead):
                       keep_updates=opts.get("sync", "full") == "payload")
         if cfg.optimizer == "RowAdam":
             kwargs.update(betas=tuple(cfg.betas), eps=opts.get("eps", 1e-8))
+        else:
+            kwargs.update(momentum=opts.get("momentum", 0.0),
+                          nesterov=opts.get("nesterov", False))
         if opts.get("step_control") is not None:
             self.rgc_control = rgc.PredictedKL(**opts["step_control"])
             kwargs["step_control"] = self.rgc_control
