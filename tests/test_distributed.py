@@ -53,7 +53,8 @@ COMPRESSED = ("up_proj.weight", "down_proj.weight", "o_proj.weight")
 SHAPES = {"up_proj.weight": (37, 24), "down_proj.weight": (16, 37), "o_proj.weight": (3, 16)}
 SCENARIOS = [(rule, mode, kl) for rule in ("rgc", "rowadam") for mode in ("dp", "fsdp")
              for kl in (False, True)]
-# RGCOptimizer with Nesterov momentum, its buffer carried into the new P after every step
+# RGCOptimizer with Nesterov momentum (its buffer carried into the new P after every step)
+# and rows of equal norm
 SCENARIOS += [("rgc-momentum", mode, False) for mode in ("dp", "fsdp")]
 
 
@@ -117,7 +118,7 @@ def make_optimizer(rule: str, params, *, distributed: bool, kl: bool, **kwargs):
            ("rowadam", False): rgc.RowAdam, ("rowadam", True): DistributedRowAdam}
     extra = {"weight_decay": 0.01} if rule == "rowadam" else {}
     if rule == "rgc-momentum":
-        rule, extra = "rgc", {"momentum": 0.9, "nesterov": True}
+        rule, extra = "rgc", {"momentum": 0.9, "nesterov": True, "row_norm": True}
     return cls[rule, distributed](params, lr=LR[rule], seed=5, step_control=ctl,
                                   **extra, **kwargs), ctl
 

@@ -23,7 +23,7 @@ def _optimizer(name, model, **kwargs):
         return rgc.RGCOptimizer(model.parameters(), lr=3e-3, **kwargs)
     if name == "rgc_momentum":  # buffers that an expert without tokens must not move
         return rgc.RGCOptimizer(model.parameters(), lr=3e-3, momentum=0.9, nesterov=True,
-                                **kwargs)
+                                row_norm=True, **kwargs)
     return rgc.RowAdam(model.parameters(), lr=1e-3, **kwargs)
 
 

@@ -27,7 +27,8 @@ def _trainer(base, opt_name, *, step_control=None):
     if opt_name.startswith("rgc"):
         opt = rgc.RGCOptimizer(model.parameters(), lr=2e-2, keep_updates=True,
                                step_control=step_control,
-                               momentum=0.9 if opt_name == "rgc_momentum" else 0.0)
+                               momentum=0.9 if opt_name == "rgc_momentum" else 0.0,
+                               row_norm=opt_name == "rgc_momentum")
     else:
         opt = rgc.RowAdam(model.parameters(), lr=1e-2, weight_decay=0.1, keep_updates=True,
                           step_control=step_control)

@@ -695,7 +695,8 @@ def test_the_test_configuration_is_served(model_dir):
 
     model, engine, optim, _ = _configs(model_dir)
     assert check_config(model, engine, optim, world_size=WORLD) == {"rank": RANK, "seed": SEED}
-    momentum = {"rank": RANK, "refresh": 10, "momentum": 0.9, "nesterov": True}
+    momentum = {"rank": RANK, "refresh": 10, "momentum": 0.9, "nesterov": True,
+                "row_norm": True}
     optim = replace(optim, optimizer="RGCOptimizer", override_optimizer_config=momentum)
     assert check_config(model, engine, optim, world_size=WORLD) == momentum
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 
 from rgc.optim.base import SketchOptimizer, check_common_args, check_weight_decay, group_lr
-from rgc.optim.rules import Partials, Proposal, carry_moment, rgc_dense, rgc_stack, sketch_momentum_
+from rgc.optim.rules import (
+    Partials,
+    Proposal,
+    carry_moment,
+    normalize_rows_,
+    rgc_dense,
+    rgc_stack,
+    sketch_momentum_,
+)
 
 EXPERT_NORMS = ("stack", "expert")
 
@@ -81,6 +89,7 @@ class RGCOptimizer(SketchOptimizer):
             verl pass a ``weight_decay`` to every optimizer).
         momentum: the momentum of the sketches (see **Momentum**); default 0 (none).
         nesterov: Nesterov's variant of that momentum (as ``torch.optim.SGD``'s).
+        row_norm: give every row of the direction the same norm (see **Rows**); default False.
 
     **Dtypes.** Weights of compressed layers are BF16 or FP32. Any other real parameter is
     updated with FP32 arithmetic: an FP64 parameter receives an FP32-computed value each step
@@ -104,6 +113,12 @@ class RGCOptimizer(SketchOptimizer):
     take the normalised rule on their gradient without momentum. Costs one d x r FP32 tensor
     per sketched weight.
 
+    **Rows** (``row_norm=True``): before the normalisation above, every row of the direction's
+    sketch is divided by the norm of its row of ``H`` (from the Gram ``P^T P``; after the
+    momentum, if any: :func:`rgc.optim.rules.normalize_rows_`), so that every row of W that
+    has a gradient moves by the same amount, ``tau ||W||_F / sqrt(rows)``: a per-row scale
+    estimated from the sketch, with no state.
+
     ``zero_grad()`` clears sketches as well as gradients. A backward must complete before
     ``step()``: a forward run before a step and backpropagated after it raises.
     """
@@ -115,14 +130,16 @@ class RGCOptimizer(SketchOptimizer):
                  stochastic_rounding: bool = True, seed: int = 0, step_control=None,
                  keep_updates: bool = False, maximize: bool = False,
                  expert_norm: str = "expert", weight_decay: float = 0.0,
-                 momentum: float = 0.0, nesterov: bool = False, comm=None):
+                 momentum: float = 0.0, nesterov: bool = False, row_norm: bool = False,
+                 comm=None):
         check_common_args(lr, chunk_rows, seed)
         check_expert_norm(expert_norm)
         check_weight_decay(weight_decay)
         check_momentum(momentum, nesterov)
         defaults = dict(lr=lr, chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding,
                         seed=seed, maximize=maximize, expert_norm=expert_norm,
-                        weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)
+                        weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        row_norm=row_norm)
         super().__init__(params, defaults, step_control=step_control, keep_updates=keep_updates,
                          comm=comm)
 
@@ -131,16 +148,21 @@ class RGCOptimizer(SketchOptimizer):
         check_expert_norm(group["expert_norm"])
         check_weight_decay(group["weight_decay"])
         check_momentum(group.setdefault("momentum", 0.0), group.setdefault("nesterov", False))
+        if not isinstance(group.setdefault("row_norm", False), bool):
+            raise ValueError(f"row_norm must be True or False, got {group['row_norm']!r}")
 
     def _stack_sums(self, entries) -> Partials:
-        """With momentum, the step's direction replaces each sketch before it is measured."""
+        """With momentum or ``row_norm``, the step's direction replaces each sketch before it
+        is measured."""
         group = entries[0].group
-        if group.get("momentum", 0.0):  # a group saved before momentum existed has none
-            sketches = [e.owner.sketch_matrices() for e in entries]
+        sketches = [e.owner.sketch_matrices() for e in entries]
+        if group.get("momentum", 0.0):  # a group saved before these options has none
             buffers = [self._momentum_buffer(e.state, s, e.param.dim() == 2)
                        for e, s in zip(entries, sketches, strict=True)]
             sketch_momentum_(sketches, buffers, momentum=group["momentum"],
                              nesterov=group.get("nesterov", False))
+        if group.get("row_norm", False):
+            normalize_rows_(sketches, [e.owner.projection for e in entries])
         return super()._stack_sums(entries)
 
     @staticmethod

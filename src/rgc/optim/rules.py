@@ -23,8 +23,8 @@ import torch
 from rgc import ops
 
 __all__ = ["Partials", "Proposal", "adamw_dense", "carry_moment", "decay_coefs", "normalized_coef",
-           "rgc_dense", "rgc_stack", "row_adam_stack", "sketch_momentum_", "sketch_norm",
-           "sqrt32"]
+           "normalize_rows_", "rgc_dense", "rgc_stack", "row_adam_stack", "sketch_momentum_",
+           "sketch_norm", "sqrt32"]
 
 
 @dataclass
@@ -171,6 +171,27 @@ def sketch_momentum_(sketches: list[torch.Tensor], buffers: list[torch.Tensor], 
         direction = sketch.add(carried.mul_(momentum)) if nesterov else carried
         sketch.copy_(torch.where(moves, direction, sketch))
         del carried, direction  # before the next matrix's
+
+
+def normalize_rows_(sketches: list[torch.Tensor], projections: list[torch.Tensor]) -> None:
+    """Divide every row of each sketch by the norm of its row of ``H``, in place::
+
+        C[i] <- C[i] / ||C[i] P^T||,   ||C[i] P^T||^2 = C[i] (P^T P) C[i]^T
+
+    so that every row of ``H = C P^T`` has norm 1 (a zero row stays zero; a non-finite one
+    stays non-finite, and reads as skipped). ``sketches``: ``[E, d, r]`` FP32; ``projections``:
+    their ``k x r`` P. The quadratic form is summed in float64 and its square root rounded once
+    to FP32, so a row's bits do not depend on the rows given with it or on the CPU.
+    """
+    for sketch, projection in zip(sketches, projections, strict=True):
+        p = projection.to(torch.float64)
+        gram = p.t() @ p
+        del p
+        for matrix in sketch:  # one matrix's float64 copy at a time
+            rows = matrix.to(torch.float64)
+            norms = ((rows @ gram) * rows).sum(1, keepdim=True).sqrt().to(torch.float32)
+            del rows
+            matrix.copy_(torch.where(norms > 0, matrix / norms, matrix))
 
 
 # -- RowAdam: Adam with one second moment per row of the sketch -------------------------------

@@ -66,6 +66,7 @@ OVERRIDE_KEYS = {
     "momentum": "RGCOptimizer's momentum in sketch space (default 0; pair it with a refresh "
                 "every N updates)",
     "nesterov": "RGCOptimizer's Nesterov variant of that momentum (default False)",
+    "row_norm": "RGCOptimizer: every row of the direction gets the same norm (default False)",
     "step_control": "None, or the keyword arguments of rgc.PredictedKL (e.g. {budget: 2e-4})",
     "sync": "'full' (verl's weight sync, default) or 'payload' (get_per_tensor_param() "
             "carries the steps' rgc payloads: rgc.integrations.verl.sync)",
@@ -135,10 +136,13 @@ def check_config(model_config, engine_config, optimizer_config, world_size: int)
             check_refresh(options["refresh"])
         except ValueError as e:
             problems.append(f"optim.override_optimizer_config.refresh: {e}")
-    if {"momentum", "nesterov"} & set(options):
+    if {"momentum", "nesterov", "row_norm"} & set(options):
         if optimizer_config.optimizer != "RGCOptimizer":
-            problems.append("optim.override_optimizer_config.momentum/nesterov: RGCOptimizer's "
-                            f"options, not {optimizer_config.optimizer}'s")
+            problems.append("optim.override_optimizer_config.momentum/nesterov/row_norm: "
+                            f"RGCOptimizer's options, not {optimizer_config.optimizer}'s")
+        if not isinstance(options.get("row_norm", False), bool):
+            problems.append("optim.override_optimizer_config.row_norm: True or False, got "
+                            f"{options['row_norm']!r}")
         try:
             check_momentum(options.get("momentum", 0.0), options.get("nesterov", False))
         except ValueError as e:
@@ -215,7 +219,8 @@ class RGCFSDPEngine(FSDPEngineWithLMHead):
             kwargs.update(betas=tuple(cfg.betas), eps=opts.get("eps", 1e-8))
         else:
             kwargs.update(momentum=opts.get("momentum", 0.0),
-                          nesterov=opts.get("nesterov", False))
+                          nesterov=opts.get("nesterov", False),
+                          row_norm=opts.get("row_norm", False))
         if opts.get("step_control") is not None:
             self.rgc_control = rgc.PredictedKL(**opts["step_control"])
             kwargs["step_control"] = self.rgc_control
