@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from rgc import ops
 from rgc.optim.comm import Local
-from rgc.optim.rules import Partials, Proposal, sqrt32
+from rgc.optim.rules import Partials, Proposal, carry_moment, sqrt32
 from rgc.payload import KeptUpdate, build_payload
 from rgc.projection import advance_projections
 from rgc.registry import sketched_owner_of
@@ -154,7 +154,7 @@ class SketchOptimizer(Optimizer):
     Proposal | None`` for a parameter with a dense ``.grad`` (``None``: no change), both
     calling its functional form in :mod:`rgc.optim.rules`; it sets ``reads_norms = True`` if
     the partial sums must include ``||W||^2`` (and ``||grad||^2``), and may extend
-    ``_refresh_projections`` to carry state into a new projection.
+    ``carried_in_sketch_space`` to carry state into a new projection.
 
     ``step()`` reads nothing on the host unless a step controller is set: the finiteness test
     of each sketch or gradient is a bool tensor handed to the proposal (``Partials.finite``),
@@ -194,6 +194,8 @@ class SketchOptimizer(Optimizer):
     reads_norms = False
     #: gradient clipping changes the rule's update (not so for a normalised rule)
     clips_gradients = True
+    #: state tensors of a sketched weight that live in the basis of its ``P`` (``... x r``)
+    carried_in_sketch_space: tuple[str, ...] = ()
 
     def __init__(self, params, defaults: dict, *, step_control=None, keep_updates: bool = False,
                  comm=None):
@@ -294,12 +296,20 @@ class SketchOptimizer(Optimizer):
         raise NotImplementedError
 
     def _refresh_projections(self, entries: list[Entry]) -> None:
-        """Give every entry's owner its next ``P`` (the caller then renews the sketch slots).
+        """Give every entry's owner its next ``P`` (the caller then renews the sketch slots),
+        and carry the state tensors named in :attr:`carried_in_sketch_space` into the new
+        basis (:func:`rgc.optim.rules.carry_moment`).
 
         One batched regeneration per (kind, k, r, dtype, device): see
-        :func:`rgc.projection.advance_projections`. Subclasses carry state into the new basis.
+        :func:`rgc.projection.advance_projections`.
         """
+        carried = [(e, e.owner.projection.clone()) for e in entries
+                   if any(key in e.state for key in self.carried_in_sketch_space)]
         advance_projections([e.owner for e in entries])
+        for e, old in carried:
+            for key in self.carried_in_sketch_space:
+                if key in e.state:
+                    e.state[key] = carry_moment(e.state[key], old, e.owner.projection)
 
     # -- the step -----------------------------------------------------------------------
     @torch.no_grad()

@@ -8,7 +8,6 @@ from rgc.optim.base import SketchOptimizer, check_common_args, check_weight_deca
 from rgc.optim.rules import (
     Partials,
     Proposal,
-    carry_moment,
     normalize_rows_,
     rgc_dense,
     rgc_stack,
@@ -125,6 +124,7 @@ class RGCOptimizer(SketchOptimizer):
 
     reads_norms = True
     clips_gradients = False  # the update is normalised: scaling H changes nothing
+    carried_in_sketch_space = ("momentum_buffer",)
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, *, chunk_rows: int | None = None,
                  stochastic_rounding: bool = True, seed: int = 0, step_control=None,
@@ -175,14 +175,6 @@ class RGCOptimizer(SketchOptimizer):
                                                    device=sketch.device)
         buffer = state["momentum_buffer"]
         return buffer.unsqueeze(0) if flat else buffer
-
-    def _refresh_projections(self, entries) -> None:
-        carried = [(e, e.owner.projection.clone()) for e in entries
-                   if "momentum_buffer" in e.state]
-        super()._refresh_projections(entries)
-        for e, old in carried:
-            e.state["momentum_buffer"] = carry_moment(e.state["momentum_buffer"], old,
-                                                      e.owner.projection)
 
     def _propose_stack(self, entries, group, partials) -> Proposal:
         return rgc_stack(partials, [e.owner.sketch_matrices() for e in entries],

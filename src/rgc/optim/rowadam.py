@@ -7,7 +7,7 @@ import math
 import torch
 
 from rgc.optim.base import SketchOptimizer, check_common_args, check_weight_decay
-from rgc.optim.rules import Proposal, adamw_dense, carry_moment, row_adam_stack
+from rgc.optim.rules import Proposal, adamw_dense, row_adam_stack
 
 
 def check_adam_args(betas, eps, weight_decay) -> None:
@@ -82,6 +82,8 @@ class RowAdam(SketchOptimizer):
     State per compressed weight: ``exp_avg`` (d x r FP32), ``exp_avg_sq`` (d FP32), step
     counters, layer seed and projection version; ``state_dict`` round-trips bit-exactly.
     """
+
+    carried_in_sketch_space = ("exp_avg",)
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, *,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -181,9 +183,3 @@ class RowAdam(SketchOptimizer):
                            partials.finite.reshape(()), t, lr=group["lr"], betas=group["betas"],
                            eps=group["eps"], weight_decay=group["weight_decay"],
                            maximize=group["maximize"])
-
-    def _refresh_projections(self, entries) -> None:
-        carried = [(e, e.owner.projection.clone()) for e in entries if "exp_avg" in e.state]
-        super()._refresh_projections(entries)
-        for e, old in carried:
-            e.state["exp_avg"] = carry_moment(e.state["exp_avg"], old, e.owner.projection)
