@@ -589,15 +589,8 @@ def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None =
     A stack of ``experts`` matrices: dr terms over the whole stack, as
     :func:`rgc_step_temporaries`.
     """
-    dr = experts * d * r
-    if old_projections is None:
-        old_projections = k * r * weight_itemsize
-    carry = max(16 * k * r + 16 * r * r, 4 * dr + 12 * r * r + 16 * min(dr, CARRY_CHUNK))
-    return UPDATE_SCALAR_BYTES + max(
-        8 * dr, _norm_temp(d, k, r, experts, implementation),
-        _update_temp(d, k, r, chunk_rows, implementation),
-        old_projections + max(_refresh_temp(k, r, weight_itemsize, implementation, projections),
-                              carry))
+    return _carrying_step_temporaries(d, k, r, 8, chunk_rows, implementation, weight_itemsize,
+                                      experts, old_projections, projections)
 
 
 def momentum_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None = None,
@@ -612,12 +605,21 @@ def momentum_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None 
     weight's old P (``old_projections``) beside the regeneration or the buffer's carry into
     the new basis (:func:`rowadam_step_temporaries` counts the same carry).
     """
+    return _carrying_step_temporaries(d, k, r, 12, chunk_rows, implementation, weight_itemsize,
+                                      experts, old_projections, projections)
+
+
+def _carrying_step_temporaries(d, k, r, state_bytes_per_dr, chunk_rows, implementation,
+                               weight_itemsize, experts, old_projections, projections) -> int:
+    """The step of a rule with a d x r state carried into each new P: its state update
+    (``state_bytes_per_dr`` per element of the stack's sketch), the sums, the update, and the
+    old projections beside the regeneration or the carry."""
     dr = experts * d * r
     if old_projections is None:
         old_projections = k * r * weight_itemsize
     carry = max(16 * k * r + 16 * r * r, 4 * dr + 12 * r * r + 16 * min(dr, CARRY_CHUNK))
     return UPDATE_SCALAR_BYTES + max(
-        12 * dr, _norm_temp(d, k, r, experts, implementation),
+        state_bytes_per_dr * dr, _norm_temp(d, k, r, experts, implementation),
         _update_temp(d, k, r, chunk_rows, implementation),
         old_projections + max(_refresh_temp(k, r, weight_itemsize, implementation, projections),
                               carry))
