@@ -349,6 +349,50 @@ def test_bootstrap_over_seeds_then_their_own_questions_has_the_known_spread():
     assert _sd_from_interval(stat) == pytest.approx(expect, rel=0.05)
 
 
+def test_bootstrap_stratified_over_bases_has_the_known_spread():
+    """The equal-weight mean of two bases' crossed bootstraps: its variance is the sum of the
+    two bases' variances (as in the crossed test above) over 4."""
+    grpo = _import_demo()
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(4)
+    strata, variances = [], []
+    for s, n in ((20, 300), (30, 200)):
+        diffs, seed_eff, q_eff = _additive(s, n, rng)
+        strata.append(diffs)
+        variances.append((seed_eff ** 2).mean() / s + (q_eff ** 2).mean() / n)
+    stat = grpo.stats.stratified_bootstrap(strata, seed=0, resamples=20000)
+    assert stat["diff_points"] == pytest.approx(100 * np.mean([d.mean() for d in strata]))
+    assert _sd_from_interval(stat) == pytest.approx(math.sqrt(sum(variances)) / 2, rel=0.05)
+    assert (stat["strata"], stat["seeds"]) == (2, 50)
+
+
+@pytest.mark.slow
+def test_quality_harness_smoke_run(tmp_path):
+    """benchmarks/quality.py end to end on the quick preset: one base, two seeds, every rule
+    against the reference in the pooled table and per seed."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--preset", "quick",
+           "--rules", "rgc", "rgc_nesterov_rows", "--seeds", "0", "1", "--bases", "0",
+           "--steps", "2", "--workers", "1", "--out", str(tmp_path / "q"),
+           "--cache-dir", str(tmp_path / "cache")]
+    subprocess.run(cmd, check=True, cwd=ROOT, env=_demo_env(), timeout=TIMEOUT,
+                   capture_output=True)
+    out = tmp_path / "q"
+    record = json.loads((out / "base0.json").read_text())
+    assert [list(c["methods"]) for c in record["chosen"]] == [
+        ["adamw_proj", "rgc", "rgc_nesterov_rows"]] * 2
+    summary = json.loads((out / "quality.json").read_text())
+    assert [r["rule"] for r in summary["pooled"]] == [
+        "dense AdamW, 7 projections", "RGC", "RGC + Nesterov, rows"]
+    assert all("pooled - adamw_proj (pts)" in r for r in summary["pooled"][1:])
+    assert len(summary["per_seed"]) == 3 * 2
+    text = (out / "quality.md").read_text()
+    assert "## Pooled" in text and "## Environment" in text
+    # --report summarises the records again without training
+    subprocess.run(cmd + ["--report"], check=True, cwd=ROOT, env=_demo_env(), timeout=TIMEOUT,
+                   capture_output=True)
+    assert json.loads((out / "quality.json").read_text()) == summary
+
+
 def test_bootstrap_over_one_seed_is_the_question_bootstrap():
     grpo = _import_demo()
     torch = pytest.importorskip("torch")
