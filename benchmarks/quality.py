@@ -83,16 +83,18 @@ def summarize(records: list[dict], reference: str) -> tuple[list[dict], list[dic
             mults = sorted({c["methods"][rule]["mult"] for c in rec["chosen"]})
             row[f"base {base['seed']}: rate x"] = ", ".join(f"{m:g}" for m in mults)
             row[f"base {base['seed']}: test gain (pts)"] = f"{100 * gain.mean():+.1f}"
+            against = f"base {base['seed']}: - {reference}"
+            row[against] = "(reference)"
             if rule != reference:
                 diffs = kept_correct(rec, rule) - kept_correct(rec, reference)
                 strata.append(diffs)
-                row[f"base {base['seed']}: - {reference}"] = _ci(
-                    stratified_bootstrap([diffs], seed=0))
+                row[against] = _ci(stratified_bootstrap([diffs], seed=0))
             for c in rec["chosen"]:
                 run = c["methods"][rule]
                 cells = {"base": base["seed"], "seed": c["seed"], "rule": run["label"],
                          "test after %": round(100 * run["test_after"], 1),
                          "final dev %": round(100 * run["final_dev"], 1)}
+                cells[f"- {reference} (pts)"] = "(reference)"
                 if rule != reference:
                     ref = c["methods"][reference]
                     d = paired_difference(unbits(ref["test_correct"]),
@@ -101,8 +103,8 @@ def summarize(records: list[dict], reference: str) -> tuple[list[dict], list[dic
                 cells["s/step"] = round(run["s_per_step"], 3)
                 cells["extra state KiB"] = round(run["extra_state_bytes"] / 2**10, 1)
                 per_seed.append(cells)
-        if strata:
-            row[f"pooled - {reference} (pts)"] = _ci(stratified_bootstrap(strata, seed=0))
+        row[f"pooled - {reference} (pts)"] = (_ci(stratified_bootstrap(strata, seed=0))
+                                              if strata else "(reference)")
         pooled.append(row)
     n_seeds = len(records[0]["chosen"])
     lines = [f"{len(records)} base(s) ({', '.join(str(r['base']['seed']) for r in records)}) "

@@ -383,7 +383,8 @@ def test_quality_harness_smoke_run(tmp_path):
     summary = json.loads((out / "quality.json").read_text())
     assert [r["rule"] for r in summary["pooled"]] == [
         "dense AdamW, 7 projections", "RGC", "RGC + Nesterov, rows"]
-    assert all("pooled - adamw_proj (pts)" in r for r in summary["pooled"][1:])
+    assert summary["pooled"][0]["pooled - adamw_proj (pts)"] == "(reference)"
+    assert all(r["pooled - adamw_proj (pts)"].count("[") == 1 for r in summary["pooled"][1:])
     assert len(summary["per_seed"]) == 3 * 2
     text = (out / "quality.md").read_text()
     assert "## Pooled" in text and "## Environment" in text
