@@ -51,7 +51,8 @@ class Preset:
     rank: int = 16
     lr: dict = field(default_factory=lambda: {
         "adamw": 1e-4, "adamw_proj": 1e-4, "lora": 1e-3, "rgc": 1e-4, "rowadam": 1e-4,
-        "rgc_momentum": 1e-4, "rgc_nesterov": 1e-4, "rowadam_plain": 1e-4})
+        "rgc_momentum": 1e-4 / 3, "rgc_nesterov": 1e-4 / 3, "rgc_rows": 1e-4,
+        "rgc_nesterov_rows": 1e-4 / 3, "rowadam_plain": 1e-4})
 
     def __post_init__(self):
         unknown = [m for m in self.methods if m not in METHODS]

@@ -212,7 +212,8 @@ class RGC(Method):
 
 class RGCMomentum(RGC):
     """RGC with heavy-ball momentum 0.9 in sketch space; P refreshed every 10 updates (the
-    buffer carried into each new basis)."""
+    buffer carried into each new basis). Its base rate is a third of RGC's (the experiment's
+    ``lr``): the steps within one basis point alike, so they add up rather than cancel."""
 
     kind = "rgc_momentum"
     name = "RGC + momentum"
@@ -227,6 +228,24 @@ class RGCNesterov(RGC):
     name = "RGC + Nesterov"
     refresh = 10
     options = {"momentum": 0.9, "nesterov": True}
+
+
+class RGCRows(RGC):
+    """RGC with every row of the direction at the same norm (``row_norm``), P refreshed every
+    step: no state."""
+
+    kind = "rgc_rows"
+    name = "RGC, rows"
+    options = {"row_norm": True}
+
+
+class RGCNesterovRows(RGC):
+    """:class:`RGCNesterov` with rows of equal norm."""
+
+    kind = "rgc_nesterov_rows"
+    name = "RGC + Nesterov, rows"
+    refresh = 10
+    options = {"momentum": 0.9, "nesterov": True, "row_norm": True}
 
 
 class RowAdam(Method):
@@ -305,4 +324,5 @@ def sketches(policy) -> Iterator[torch.Tensor]:
 METHODS: dict[str, type[Method]] = {"adamw": DenseAdamW, "adamw_proj": DenseAdamWProjections,
                                      "lora": LoRA, "rgc": RGC, "rowadam": RowAdam,
                                      "rgc_momentum": RGCMomentum, "rgc_nesterov": RGCNesterov,
+                                     "rgc_rows": RGCRows, "rgc_nesterov_rows": RGCNesterovRows,
                                      "rowadam_plain": RowAdamPlain}
