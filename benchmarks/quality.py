@@ -15,11 +15,13 @@ pooled over bases (each base weighted equally, resampled within itself: a strati
 bootstrap), with per-seed tables.
 
 Cost on a 2-core machine (Intel Xeon, AVX-512) with 2 workers at the default preset (300 GRPO
-steps): 38 to 48 s of one core per run, about 25 s of wall time per run with both cores busy, so
-a grid of R rules, S seeds, M multipliers and B bases (``B * R * (S + M - 1)`` runs) takes about
-``25 s * B * R * (S + M - 1)``, plus about 2 minutes per new base's warm start: 8 rules x 8
-seeds x 2 multipliers x 2 bases is 144 runs, about an hour (benchmarks/results/quality/ states
-the measured time). ``--steps`` shortens every run (and changes what is measured: say so).
+steps): 33 to 52 s of one core per run (41 s on average), about 22 s of wall time per run with
+both cores busy, so a grid of R rules, S seeds, M multipliers and B bases
+(``B * R * (S + M - 1)`` runs) takes about ``22 s * B * R * (S + M - 1)``, plus 2 to 5 minutes
+per new base's warm start: 8 rules x 8 seeds x 2 multipliers x 2 bases is 144 runs, about 55
+minutes. Not every base seed warm-starts to the target within the cap (seeds 2, 4 and 5 did
+not; 0, 1 and 3 did): such a base is left out with its reason printed. ``--steps`` shortens
+every run (and changes what is measured: say so).
 """
 
 from __future__ import annotations
