@@ -153,8 +153,8 @@ class SketchOptimizer(Optimizer):
     sketched weights of one shape and param group, and ``_propose_dense(entry, partials) ->
     Proposal | None`` for a parameter with a dense ``.grad`` (``None``: no change), both
     calling its functional form in :mod:`rgc.optim.rules`; it sets ``reads_norms = True`` if
-    the partial sums must include ``||W||^2`` (and ``||grad||^2``), and may extend
-    ``carried_in_sketch_space`` to carry state into a new projection.
+    the partial sums must include ``||W||^2`` (and ``||grad||^2``), and names in
+    ``carried_in_sketch_space`` the state tensors to carry into a new projection.
 
     ``step()`` reads nothing on the host unless a step controller is set: the finiteness test
     of each sketch or gradient is a bool tensor handed to the proposal (``Partials.finite``),
