@@ -58,7 +58,7 @@ import torch.nn as nn
 
 from rgc.experts import expert_weight_names
 from rgc.ops import reference, triton_buffers
-from rgc.optim.rules import CARRY_CHUNK
+from rgc.optim.rules import FLOAT64_CHUNK
 from rgc.projection import check_rank
 from rgc.targets import Targets, plan_targets
 from rgc.updates import resolve_chunk_rows
@@ -585,7 +585,7 @@ def rowadam_step_temporaries(d: int, k: int, r: int, *, chunk_rows: int | None =
     in all; default this weight's own, k r ``weight_itemsize``), regenerates the projections
     (as RGC's) and carries m into each new basis (float64 copies of both P and r x r products,
     16kr + 16r^2, then the new m, the float64 change of basis and a float64 chunk of m with its
-    product, 4dr + 12r^2 + 16 min(dr, CARRY_CHUNK)).
+    product, 4dr + 12r^2 + 16 min(dr, FLOAT64_CHUNK)).
     A stack of ``experts`` matrices: dr terms over the whole stack, as
     :func:`rgc_step_temporaries`.
     """
@@ -617,7 +617,7 @@ def _carrying_step_temporaries(d, k, r, state_bytes_per_dr, chunk_rows, implemen
     dr = experts * d * r
     if old_projections is None:
         old_projections = k * r * weight_itemsize
-    carry = max(16 * k * r + 16 * r * r, 4 * dr + 12 * r * r + 16 * min(dr, CARRY_CHUNK))
+    carry = max(16 * k * r + 16 * r * r, 4 * dr + 12 * r * r + 16 * min(dr, FLOAT64_CHUNK))
     return UPDATE_SCALAR_BYTES + max(
         state_bytes_per_dr * dr, _norm_temp(d, k, r, experts, implementation),
         _update_temp(d, k, r, chunk_rows, implementation),

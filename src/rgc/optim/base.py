@@ -145,6 +145,19 @@ def _check_step_control_serves(param_groups: list[dict]) -> None:
             "without step_control, or freeze them (requires_grad_(False)) for this optimizer")
 
 
+def stack_state(state: dict, key: str, sketch: torch.Tensor, flat: bool, *,
+                per_row: bool = False) -> torch.Tensor:
+    """``state[key]`` of a sketched weight, seen as a stack: ``[E, d, r]`` (``[E, d]`` when
+    ``per_row``) FP32, zeros at first. A 2-D weight (``flat``) stores it without the leading
+    E; ``sketch`` is its ``[E, d, r]`` sketch view."""
+    if key not in state:
+        shape = sketch.shape[:-1] if per_row else sketch.shape
+        state[key] = torch.zeros(shape[1:] if flat else shape, dtype=torch.float32,
+                                 device=sketch.device)
+    value = state[key]
+    return value.unsqueeze(0) if flat else value
+
+
 class SketchOptimizer(Optimizer):
     """Base of the rgc optimizers: torch.optim's conventions around the step pipeline
     (module docstring).

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from rgc.optim.base import SketchOptimizer, check_common_args, check_weight_decay, group_lr
+from rgc.optim.base import (
+    SketchOptimizer,
+    check_common_args,
+    check_weight_decay,
+    group_lr,
+    stack_state,
+)
 from rgc.optim.rules import (
     Partials,
     Proposal,
@@ -22,13 +28,16 @@ def check_expert_norm(expert_norm) -> None:
         raise ValueError(f"expert_norm must be one of {EXPERT_NORMS}, got {expert_norm!r}")
 
 
-def check_momentum(momentum, nesterov) -> None:
-    """ValueError for a ``momentum`` outside [0, 1) or ``nesterov`` without momentum."""
+def check_direction_options(momentum, nesterov, row_norm) -> None:
+    """ValueError for a ``momentum`` outside [0, 1), ``nesterov`` without momentum, or a
+    ``row_norm`` that is not a bool."""
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) \
             or not 0.0 <= momentum < 1.0:
         raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
     if nesterov and momentum == 0:
         raise ValueError("nesterov=True needs a momentum > 0 (as torch.optim.SGD)")
+    if not isinstance(row_norm, bool):
+        raise ValueError(f"row_norm must be True or False, got {row_norm!r}")
 
 
 class RGCOptimizer(SketchOptimizer):
@@ -135,7 +144,7 @@ class RGCOptimizer(SketchOptimizer):
         check_common_args(lr, chunk_rows, seed)
         check_expert_norm(expert_norm)
         check_weight_decay(weight_decay)
-        check_momentum(momentum, nesterov)
+        check_direction_options(momentum, nesterov, row_norm)
         defaults = dict(lr=lr, chunk_rows=chunk_rows, stochastic_rounding=stochastic_rounding,
                         seed=seed, maximize=maximize, expert_norm=expert_norm,
                         weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -147,9 +156,9 @@ class RGCOptimizer(SketchOptimizer):
         super()._check_group(group)
         check_expert_norm(group["expert_norm"])
         check_weight_decay(group["weight_decay"])
-        check_momentum(group.setdefault("momentum", 0.0), group.setdefault("nesterov", False))
-        if not isinstance(group.setdefault("row_norm", False), bool):
-            raise ValueError(f"row_norm must be True or False, got {group['row_norm']!r}")
+        check_direction_options(group.setdefault("momentum", 0.0),
+                                group.setdefault("nesterov", False),
+                                group.setdefault("row_norm", False))
 
     def _stack_sums(self, entries) -> Partials:
         """With momentum or ``row_norm``, the step's direction replaces each sketch before it
@@ -157,24 +166,13 @@ class RGCOptimizer(SketchOptimizer):
         group = entries[0].group
         sketches = [e.owner.sketch_matrices() for e in entries]
         if group.get("momentum", 0.0):  # a group saved before these options has none
-            buffers = [self._momentum_buffer(e.state, s, e.param.dim() == 2)
+            buffers = [stack_state(e.state, "momentum_buffer", s, e.param.dim() == 2)
                        for e, s in zip(entries, sketches, strict=True)]
             sketch_momentum_(sketches, buffers, momentum=group["momentum"],
                              nesterov=group.get("nesterov", False))
         if group.get("row_norm", False):
             normalize_rows_(sketches, [e.owner.projection for e in entries])
         return super()._stack_sums(entries)
-
-    @staticmethod
-    def _momentum_buffer(state: dict, sketch: torch.Tensor, flat: bool) -> torch.Tensor:
-        """``state['momentum_buffer']`` as ``[E, d, r]`` (``d x r`` stored for a 2-D weight,
-        ``flat``), zeros at first."""
-        if "momentum_buffer" not in state:
-            shape = sketch.shape[1:] if flat else sketch.shape
-            state["momentum_buffer"] = torch.zeros(shape, dtype=torch.float32,
-                                                   device=sketch.device)
-        buffer = state["momentum_buffer"]
-        return buffer.unsqueeze(0) if flat else buffer
 
     def _propose_stack(self, entries, group, partials) -> Proposal:
         return rgc_stack(partials, [e.owner.sketch_matrices() for e in entries],

@@ -6,7 +6,12 @@ import math
 
 import torch
 
-from rgc.optim.base import SketchOptimizer, check_common_args, check_weight_decay
+from rgc.optim.base import (
+    SketchOptimizer,
+    check_common_args,
+    check_weight_decay,
+    stack_state,
+)
 from rgc.optim.rules import Proposal, adamw_dense, row_adam_stack
 
 
@@ -106,9 +111,13 @@ class RowAdam(SketchOptimizer):
         sketches = [e.owner.sketch_matrices() for e in entries]
         active = self._active(entries, partials.finite, partials["sketch"])
         steps = self._applied_updates(entries, active)
-        exp_avgs, exp_avg_sqs = zip(*(self._row_moments(e.state, s, e.param.dim() == 2)
-                                      for e, s in zip(entries, sketches, strict=True)))
-        return row_adam_stack(sketches, list(exp_avgs), list(exp_avg_sqs), steps,
+        flat = [e.param.dim() == 2 for e in entries]
+        # m [E, d, r] and v [E, d] of each weight (d x r and d stored for a 2-D weight)
+        exp_avgs = [stack_state(e.state, "exp_avg", s, f)
+                    for e, s, f in zip(entries, sketches, flat, strict=True)]
+        exp_avg_sqs = [stack_state(e.state, "exp_avg_sq", s, f, per_row=True)
+                       for e, s, f in zip(entries, sketches, flat, strict=True)]
+        return row_adam_stack(sketches, exp_avgs, exp_avg_sqs, steps,
                               active, lr=group["lr"], betas=group["betas"], eps=group["eps"],
                               weight_decay=group["weight_decay"], maximize=group["maximize"])
 
@@ -157,20 +166,6 @@ class RowAdam(SketchOptimizer):
             for i, c in zip(stacked, counts, strict=True):
                 rows[i] = c
         return torch.stack(rows)
-
-    @staticmethod
-    def _row_moments(state: dict, sketch: torch.Tensor, flat: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(m [E, d, r], v [E, d])``: views of ``state['exp_avg']`` (``d x r`` for a 2-D
-        weight, ``flat``; ``E x d x r`` for a stack) and ``state['exp_avg_sq']`` (``d``,
-        ``E x d``), zeros at first."""
-        if "exp_avg" not in state:
-            shape = sketch.shape[1:] if flat else sketch.shape
-            state["exp_avg"] = torch.zeros(shape, dtype=torch.float32, device=sketch.device)
-            state["exp_avg_sq"] = torch.zeros(shape[:-1], dtype=torch.float32,
-                                              device=sketch.device)
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        return (m, v) if m.dim() == 3 else (m.unsqueeze(0), v.unsqueeze(0))
 
     def _propose_dense(self, entry, partials) -> Proposal:
         p, state, group = entry.param, entry.state, entry.group

@@ -74,6 +74,11 @@ class Proposal:
     sq_norms: torch.Tensor | None = None
 
 
+#: Elements of an FP32 sketch-sized tensor converted to float64 at once (:func:`carry_moment`,
+#: :func:`normalize_rows_`).
+FLOAT64_CHUNK = 1 << 16
+
+
 # -- RGC: normalised SGD ----------------------------------------------------------------------
 
 def sqrt32(x: torch.Tensor) -> torch.Tensor:
@@ -180,18 +185,24 @@ def normalize_rows_(sketches: list[torch.Tensor], projections: list[torch.Tensor
 
     so that every row of ``H = C P^T`` has norm 1 (a zero row stays zero; a non-finite one
     stays non-finite, and reads as skipped). ``sketches``: ``[E, d, r]`` FP32; ``projections``:
-    their ``k x r`` P. The quadratic form is summed in float64 and its square root rounded once
-    to FP32, so a row's bits do not depend on the rows given with it or on the CPU.
+    their ``k x r`` P. The quadratic form is summed in float64 (:data:`FLOAT64_CHUNK` elements
+    at a time) and its square root rounded once to FP32, so a row's bits do not depend on the
+    rows given with it or on the CPU.
     """
     for sketch, projection in zip(sketches, projections, strict=True):
         p = projection.to(torch.float64)
         gram = p.t() @ p
         del p
-        for matrix in sketch:  # one matrix's float64 copy at a time
-            rows = matrix.to(torch.float64)
-            norms = ((rows @ gram) * rows).sum(1, keepdim=True).sqrt().to(torch.float32)
-            del rows
-            matrix.copy_(torch.where(norms > 0, matrix / norms, matrix))
+        r = sketch.shape[-1]
+        rows = sketch.reshape(-1, r)
+        norms = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=sketch.device)
+        step = max(1, FLOAT64_CHUNK // max(r, 1))
+        for start in range(0, rows.shape[0], step):
+            part = rows[start:start + step].to(torch.float64)
+            norms[start:start + step] = ((part @ gram) * part).sum(1, keepdim=True).sqrt()
+            del part  # before the next chunk's
+        norms = norms.view(*sketch.shape[:-1], 1)
+        sketch.copy_(torch.where(norms > 0, sketch / norms, sketch))
 
 
 # -- RowAdam: Adam with one second moment per row of the sketch -------------------------------
@@ -263,10 +274,6 @@ def adamw_dense(grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
     return Proposal(direction, coef, decay, ok)
 
 
-#: Elements of a moment that :func:`carry_moment` converts to float64 at once.
-CARRY_CHUNK = 1 << 16
-
-
 def carry_moment(moment: torch.Tensor, old_projection: torch.Tensor,
                  new_projection: torch.Tensor) -> torch.Tensor:
     """A first moment ``m`` (d x r FP32) in the basis of ``old_projection`` moved to the new one.
@@ -280,10 +287,10 @@ def carry_moment(moment: torch.Tensor, old_projection: torch.Tensor,
     ``P_new = P_old``. Only r x r matrices are formed (in float64); returns a new FP32 tensor of
     ``m``'s shape (``[..., d, r]``).
 
-    The product with ``m`` is formed in float64, :data:`CARRY_CHUNK` elements of ``m`` at a time,
-    and rounded once to FP32: an FP32 GEMM's bits depend on how many rows it is given (MKL,
-    on AVX2 and AVX-512 alike), so a rank's shard of ``m`` would otherwise not carry as the
-    same rows of the whole ``m`` do; in float64 the order of the r products moves the FP32
+    The product with ``m`` is formed in float64, :data:`FLOAT64_CHUNK` elements of ``m`` at a
+    time, and rounded once to FP32: an FP32 GEMM's bits depend on how many rows it is given
+    (MKL, on AVX2 and AVX-512 alike), so a rank's shard of ``m`` would otherwise not carry as
+    the same rows of the whole ``m`` do; in float64 the order of the r products moves the FP32
     result only at a rounding tie.
     """
     old = old_projection.to(torch.float64)
@@ -293,7 +300,7 @@ def carry_moment(moment: torch.Tensor, old_projection: torch.Tensor,
     rows = moment.reshape(-1, r)
     out = torch.empty(moment.shape, dtype=torch.float32, device=moment.device)
     flat = out.view(-1, r)
-    step = max(1, CARRY_CHUNK // max(r, 1))
+    step = max(1, FLOAT64_CHUNK // max(r, 1))
     for start in range(0, rows.shape[0], step):
         part = rows[start:start + step].to(torch.float64)
         flat[start:start + step] = part @ transfer

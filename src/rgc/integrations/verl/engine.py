@@ -44,7 +44,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 import rgc
 from rgc.distributed import DistributedRGCOptimizer, DistributedRowAdam
 from rgc.integrations.verl.sync import RolloutSync
-from rgc.optim.rgc import check_momentum
+from rgc.optim.rgc import check_direction_options
 from rgc.sketched import check_refresh
 
 #: ``VERL_ENGINE_VENDOR`` value that selects :class:`RGCFSDPEngine`.
@@ -140,11 +140,10 @@ def check_config(model_config, engine_config, optimizer_config, world_size: int)
         if optimizer_config.optimizer != "RGCOptimizer":
             problems.append("optim.override_optimizer_config.momentum/nesterov/row_norm: "
                             f"RGCOptimizer's options, not {optimizer_config.optimizer}'s")
-        if not isinstance(options.get("row_norm", False), bool):
-            problems.append("optim.override_optimizer_config.row_norm: True or False, got "
-                            f"{options['row_norm']!r}")
         try:
-            check_momentum(options.get("momentum", 0.0), options.get("nesterov", False))
+            check_direction_options(options.get("momentum", 0.0),
+                                    options.get("nesterov", False),
+                                    options.get("row_norm", False))
         except ValueError as e:
             problems.append(f"optim.override_optimizer_config: {e}")
     if options.get("sync", "full") not in SYNC_MODES:
