@@ -253,30 +253,37 @@ class RowAdam(Method):
 
     The probe batch of the KL prediction is the first ``probe`` sequences of the step (prompt
     and response), averaged over their non-padding tokens; the budget anneals from 2e-4 to
-    2e-5 over the run, as in the LoGRA paper.
+    2e-5 over the run, as in the LoGRA paper. Subclasses set ``wrap_options`` (rgc.wrap's
+    projection and refresh) and ``controlled`` (whether the KL controller scales the steps).
     """
 
     kind = "rowadam"
     name = "RowAdam + predicted KL"
     probe = 16
+    wrap_options: dict = {"preset": "logra"}
+    controlled = True
+    label_suffix = "+KL"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        rgc.wrap(self.policy, self.rank, targets=WRAP_TARGETS, preset="logra", seed=self.seed)
-        self.control = rgc.PredictedKL(budget=2e-4, final_budget=2e-5, anneal_steps=self.steps)
+        rgc.wrap(self.policy, self.rank, targets=WRAP_TARGETS, seed=self.seed,
+                 **self.wrap_options)
+        self.control = (rgc.PredictedKL(budget=2e-4, final_budget=2e-5,
+                                        anneal_steps=self.steps) if self.controlled else None)
         self.opt = rgc.RowAdam([p for p in self.policy.parameters() if p.requires_grad],
                                lr=self.lr, seed=self.seed, step_control=self.control)
 
     @property
     def label(self):
-        return f"rowadam r={self.rank} lr={self.lr:.3g} +KL"
+        return f"rowadam r={self.rank} lr={self.lr:.3g} {self.label_suffix}"
 
     def step(self, tokens):
-        probe = tokens[:self.probe]
-        self.control.set_probe(self.policy, probe, token_mask=probe != PAD)
+        if self.control is not None:
+            probe = tokens[:self.probe]
+            self.control.set_probe(self.policy, probe, token_mask=probe != PAD)
         self.opt.step()
         self.opt.zero_grad(set_to_none=False)
-        last = self.control.last or {}
+        last = (self.control.last if self.control is not None else None) or {}
         return {k: last[k] for k in ("alpha", "predicted_kl", "realised_kl") if k in last}
 
     def state_tensors(self):
@@ -285,33 +292,16 @@ class RowAdam(Method):
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
-class RowAdamPlain(Method):
+class RowAdamPlain(RowAdam):
     """rgc.RowAdam on RGC's orthonormal projections refreshed every 10 updates (the first
     moment carried into each new basis), without step control: per-row second moments on the
     sketch at an Adam rate."""
 
     kind = "rowadam_plain"
     name = "RowAdam, refreshed P"
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        rgc.wrap(self.policy, self.rank, targets=WRAP_TARGETS, refresh=10, seed=self.seed)
-        self.opt = rgc.RowAdam([p for p in self.policy.parameters() if p.requires_grad],
-                               lr=self.lr, seed=self.seed)
-
-    @property
-    def label(self):
-        return f"rowadam r={self.rank} lr={self.lr:.3g} P/10"
-
-    def step(self, tokens):
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=False)
-        return {}
-
-    def state_tensors(self):
-        yield from sketches(self.policy)
-        for state in self.opt.state.values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+    wrap_options = {"refresh": 10}
+    controlled = False
+    label_suffix = "P/10"
 
 
 def sketches(policy) -> Iterator[torch.Tensor]:
