@@ -201,17 +201,57 @@ def test_missing_probe_and_unsupported_attention_are_clear_errors():
         rgc.PredictedKL(-1.0, None)
 
 
-@pytest.mark.parametrize("opt_cls", [rgc.RGCOptimizer, rgc.RowAdam])
-def test_step_control_refuses_trainable_expert_stacks_at_construction(opt_cls):
-    """The predicted KL needs each sketched layer's forward-mode tangent, which the sketched
-    experts forward does not give: refused when the optimizer is built, and served once the
-    experts are frozen."""
+@pytest.mark.parametrize("family, opt_cls, preset, decay, frozen", [
+    ("qwen3_moe", rgc.RowAdam, "logra", 0.0, False),
+    ("gpt_oss", rgc.RGCOptimizer, "rgc", 0.1, False),  # transposed experts with biases
+    ("qwen3_moe", rgc.RGCOptimizer, "rgc", 0.0, True),  # tangents through frozen experts
+])
+def test_kappa_matches_dense_float64_jvp_with_expert_stacks(family, opt_cls, preset, decay,
+                                                              frozen):
+    """With trainable expert stacks, kappa from the factored JVP (every expert's tangent built
+    from X P and U on its routed rows, the router's and attention's from their hooks) equals
+    1/2 mean Var_p(J dW) from torch.func.jvp on a float64 copy with the dense dW (weights
+    after - before) of every parameter, experts included; weight decay included. Frozen
+    sketched experts carry the tangents of the layers below them."""
     from tests.models import tiny_moe
 
-    model = rgc.wrap(tiny_moe("qwen3_moe", dtype=torch.bfloat16, layers=1), 4, seed=3)
-    with pytest.raises(NotImplementedError, match="stacks of experts.*freeze them"):
-        opt_cls(model.parameters(), lr=1e-3, step_control=rgc.PredictedKL())
-    for p in model.parameters():
-        if p.dim() == 3:
-            p.requires_grad_(False)
-    opt_cls(model.parameters(), lr=1e-3, step_control=rgc.PredictedKL())
+    base = tiny_moe(family, dtype=torch.float32, layers=2, vocab=VOCAB)
+    ids = _ids()
+    ctl = rgc.PredictedKL(1e3, None, max_scale=1.0)  # alpha = 1: the whole proposal
+    model = copy.deepcopy(base)
+    rgc.wrap(model, 4, preset=preset, seed=5)
+    stacks = [p for p in model.parameters() if p.dim() == 3]
+    assert stacks
+    for p in stacks if frozen else ():
+        p.requires_grad_(False)
+    experts = [n for n, p in model.named_parameters() if p.dim() == 3 and p.requires_grad]
+    opt = opt_cls(model.parameters(), lr=1e-2, weight_decay=decay, step_control=ctl)
+    model(ids, labels=ids).loss.backward()
+    ctl.set_probe(model, {"input_ids": ids})
+    opt.step()
+    assert ctl.last["alpha"] == 1.0
+    ref = copy.deepcopy(base).double()
+    ref.set_experts_implementation("eager")
+    ref.set_attn_implementation("eager")
+    w0 = {n: p.detach().double() for n, p in base.named_parameters()}
+    dw = {n: p.detach().double() - w0[n] for n, p in model.named_parameters()}
+    assert all(bool(dw[n].any()) for n in experts) and (frozen or experts)
+    assert sum(bool(t.any()) for t in dw.values()) > 4
+
+    def logits(params):
+        return torch.func.functional_call(ref, params, (ids,)).logits
+
+    z, dz = torch.func.jvp(logits, (w0,), (dw,))
+    p = torch.softmax(z, -1)
+    var = (p * dz ** 2).sum(-1) - (p * dz).sum(-1) ** 2
+    kappa_ref = 0.5 * float(var.mean())
+    assert ctl.last["kappa"] == pytest.approx(kappa_ref, rel=2e-3)
+    if frozen:
+        return
+    # without the experts' tangents kappa would be visibly different
+    no_experts = copy.deepcopy(dw)
+    for n in experts:
+        no_experts[n].zero_()
+    _, dz_partial = torch.func.jvp(logits, (w0,), (no_experts,))
+    var_partial = (p * dz_partial ** 2).sum(-1) - (p * dz_partial).sum(-1) ** 2
+    assert abs(0.5 * float(var_partial.mean()) / kappa_ref - 1) > 0.02

@@ -4,9 +4,9 @@ per rank), on 2 and 4 CPU processes (gloo), against one process stepping the who
 Two runs (one per world size) cover a tiny Qwen3-MoE (5 experts: an uneven split, and on 4
 processes a rank that holds none) and a tiny Mixtral (4 experts), each sharded per decoder
 layer and as a whole, with RGCOptimizer (``expert_norm`` ``'expert'`` and ``'stack'``) and
-RowAdam, ``keep_updates=True`` and a payload per step; the Qwen3-MoE also built on the meta
-device, and (2 processes) saved with ``torch.distributed.checkpoint`` and resumed by a third
-run. The assertions run here.
+RowAdam (with and without annealed PredictedKL), ``keep_updates=True`` and a payload per
+step; the Qwen3-MoE also built on the meta device, and (2 processes) saved with
+``torch.distributed.checkpoint`` and resumed by a third run. The assertions run here.
 
 On 2 processes every sum is formed in the single process's order: the two sketches are
 added as the micro-batches are accumulated (``a + b`` either way), and an expert's partial
@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 import rgc
 from rgc.distributed import DistributedRGCOptimizer, DistributedRowAdam
@@ -34,9 +35,11 @@ pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distribu
 
 STEPS = 3
 RANK = 4
-LR = {"rgc": 1e-2, "rgc-stack": 1e-2, "rowadam": 2e-3}
+LR = {"rgc": 1e-2, "rgc-stack": 1e-2, "rowadam": 2e-3, "rowadam-kl": 2e-3}
 FAMILIES = {"qwen3_moe": 5, "mixtral": 4}  # experts per layer
-RULES = ("rgc", "rgc-stack", "rowadam")
+# rowadam-kl: the LoGRA recipe, RowAdam with annealed PredictedKL (each rank probes its share)
+RULES = ("rgc", "rgc-stack", "rowadam", "rowadam-kl")
+BUDGET = (2e-5, 2e-6)  # small enough that alpha < 1 on most steps
 
 
 def _model(family: str, init_seed: int = 0):
@@ -65,24 +68,49 @@ def _loss(model, step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
+class _ProbeUntracked(rgc.PredictedKL):
+    """PredictedKL whose probe forwards (in ``scale`` and ``after_update``) are left out of
+    an open :func:`rgc.memory.track`: FSDP2 gathers each layer's weights for them as for any
+    forward, which is the model's memory, not the step's."""
+
+    def scale(self, optimizer, updates):
+        with _disable_current_modes():
+            return super().scale(optimizer, updates)
+
+    def after_update(self):
+        with _disable_current_modes():
+            return super().after_update()
+
+
 def _optimizer(rule: str, params, *, distributed: bool, **kwargs):
-    if rule == "rowadam":
+    if rule.startswith("rowadam"):
         cls = DistributedRowAdam if distributed else rgc.RowAdam
-        return cls(params, lr=LR[rule], seed=5, **kwargs)
+        control = (_ProbeUntracked(BUDGET[0], BUDGET[1], anneal_steps=STEPS - 1)
+                   if rule == "rowadam-kl" else None)
+        return cls(params, lr=LR[rule], seed=5, step_control=control, **kwargs)
     cls = DistributedRGCOptimizer if distributed else rgc.RGCOptimizer
     return cls(params, lr=LR[rule], seed=5,
                expert_norm="stack" if rule == "rgc-stack" else "expert", **kwargs)
 
 
+def _probe(model, opt, step: int, rank: int = 0, world: int = 1) -> None:
+    """With a step controller: this rank's share of the step's batch is its probe."""
+    if opt.step_control is not None:
+        ids = _ids(step)[rank * 4 // world:(rank + 1) * 4 // world]
+        opt.step_control.set_probe(model, {"input_ids": ids})
+
+
 def _steps(model, opt, rank: int, world: int, steps: range, record: dict) -> None:
     """Train ``steps``; records each step's weights before and after, its payload, the
-    largest tensor the step allocated and the bytes rgc passed to collectives."""
+    largest tensor the step allocated, the bytes rgc passed to collectives and the step
+    controller's records."""
     for key in ("pre", "post", "payloads", "comm"):
         record.setdefault(key, [])
     record.setdefault("largest", 0)
     for step in steps:
         record["pre"].append(full_state(model))
         _loss(model, step, rank, world).backward()
+        _probe(model, opt, step, rank, world)
         with rgc.memory.track() as tracked:
             opt.step()
         sizes = [math.prod(a.shape) for a in tracked.allocations]
@@ -91,6 +119,8 @@ def _steps(model, opt, rank: int, world: int, steps: range, record: dict) -> Non
         opt.zero_grad()
         record["payloads"].append(opt.export_update(model))  # collective
         record["post"].append(full_state(model))
+    if opt.step_control is not None:
+        record["history"] = list(opt.step_control.history)
 
 
 def _train(rank: int, world: int, family: str, rule: str, *, meta: bool = False) -> dict:
@@ -161,8 +191,10 @@ def runs(tmp_path_factory):
     return results
 
 
-def _single_process(family: str, rule: str, world: int, pres: list[dict]) -> list[dict]:
-    """One process from each step's weights, the ranks' shares as micro-batches."""
+def _single_process(family: str, rule: str, world: int, pres: list[dict]
+                    ) -> tuple[list[dict], list[dict]]:
+    """One process from each step's weights, the ranks' shares as micro-batches (and the
+    whole batch as the probe); the weights after each step and the controller's records."""
     model = _model(family)
     opt = _optimizer(rule, model.parameters(), distributed=False)
     posts = []
@@ -170,10 +202,11 @@ def _single_process(family: str, rule: str, world: int, pres: list[dict]) -> lis
         load(model, pre)
         for r in range(world):
             (_loss(model, step, r, world) / world).backward()
+        _probe(model, opt, step)
         opt.step()
         opt.zero_grad()
         posts.append(full_state(model))
-    return posts
+    return posts, list(opt.step_control.history) if opt.step_control is not None else []
 
 
 def _assert_matches(got: dict, ref: dict, *, exact: bool, where) -> int:
@@ -196,9 +229,11 @@ def _assert_matches(got: dict, ref: dict, *, exact: bool, where) -> int:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_sharded_expert_stacks_equal_one_process_on_the_whole_batch(runs, world, family, rule):
     """Every rank ends every step with the single process's weights (bit for bit on 2
-    processes), the expert stacks move, and a receiver of the payloads follows bit for bit."""
+    processes without step control), the expert stacks move, and a receiver of the payloads
+    follows bit for bit. With PredictedKL, whose kappa sums the ranks' probe tokens in another
+    order, within one ulp; kappa and alpha agree and the controller scales the steps."""
     records = [r[(family, rule)] for r in runs[world]]
-    reference = _single_process(family, rule, world, records[0]["pre"])
+    reference, history = _single_process(family, rule, world, records[0]["pre"])
     receiver = _model(family)
     load(receiver, records[0]["pre"][0])
     stacks = [n for n, p in receiver.named_parameters() if p.dim() == 3]
@@ -207,11 +242,17 @@ def test_sharded_expert_stacks_equal_one_process_on_the_whole_batch(runs, world,
         got = records[0]["post"][step]
         for other in records[1:]:
             assert all(torch.equal(v, got[k]) for k, v in other["post"][step].items())
-        _assert_matches(got, ref, exact=world == 2, where=(family, rule, world, step))
+        _assert_matches(got, ref, exact=world == 2 and not history,
+                        where=(family, rule, world, step))
         pre = records[0]["pre"][step]
         assert all(not torch.equal(got[n], pre[n]) for n in stacks), step
         rgc.apply_update(receiver, records[0]["payloads"][step])
         assert all(torch.equal(v, got[k]) for k, v in full_state(receiver).items()), step
+    for mine, theirs in zip(records[0].get("history", []), history, strict=True):
+        assert mine["kappa"] == pytest.approx(theirs["kappa"], rel=1e-5)
+        assert mine["alpha"] == pytest.approx(theirs["alpha"], rel=1e-5)
+    if history:
+        assert min(h["alpha"] for h in history) < 1.0, "the controller never scaled a step"
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -10,7 +10,9 @@ so ``alpha = min(max_scale, sqrt(budget / kappa))`` spends exactly the budget (o
 
 The JVP never forms a dense ``dW`` for a compressed layer: its output tangent is
 ``-(coef (X P) U^T + decay X W^T)``, built from ``X P`` (n x r), the factor ``U`` (d x r) and
-the layer's own output. Parameters with dense updates get their tangent directly.
+the layer's own output. A sketched expert stack gets the same per expert, on the rows routed
+to it, from the sketched experts forward (:func:`rgc.experts.module.update_tangents`).
+Parameters with dense updates get their tangent directly.
 
 Attention: the JVP and the realised-KL forward run under
 ``sdpa_kernel(SDPBackend.MATH)``, because the fused CPU flash SDPA kernel has no forward-mode
@@ -30,6 +32,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn as nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from rgc.experts.module import ExpertWeight, update_tangents
 from rgc.updates import DenseUpdate, LowRankUpdate, is_zero
 
 try:
@@ -113,13 +116,15 @@ def logits_jvp(model: nn.Module, inputs, updates, *,
     """
     _check_attention(model)
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    handles, dense = [], {}
+    handles, dense, experts = [], {}, []
     was_training = [(m, m.training) for m in model.modules()]
     try:
         model.eval()
         with torch.no_grad(), fwAD.dual_level():
             for u in updates:
-                if isinstance(u, LowRankUpdate):
+                if isinstance(u, LowRankUpdate) and isinstance(u.layer, ExpertWeight):
+                    experts.append(u)
+                elif isinstance(u, LowRankUpdate):
                     handles.append(u.layer.register_forward_hook(_lowrank_tangent_hook(u)))
                 else:
                     assert isinstance(u, DenseUpdate)
@@ -131,7 +136,8 @@ def logits_jvp(model: nn.Module, inputs, updates, *,
                         t -= u.decay * u.param.to(torch.float32)
                     dense[names[id(u.param)]] = fwAD.make_dual(u.param, t.to(u.param.dtype))
             try:
-                out = logits_fn(_forward(model, inputs, dense))
+                with update_tangents(experts):
+                    out = logits_fn(_forward(model, inputs, dense))
             except NotImplementedError as e:
                 raise RuntimeError(
                     f"forward-mode AD failed inside the model ({e}); predicted-KL step control "

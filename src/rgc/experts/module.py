@@ -28,17 +28,21 @@ FP32), found from the Parameter with :func:`rgc.registry.sketched_owner_of`. Its
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import weakref
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn as nn
 
 from rgc.experts.autograd import SketchedExpertsFunction
+from rgc.experts.grouped import grouped_mm
 from rgc.projection import check_rank
 from rgc.registry import SUPPORTED_WEIGHT_DTYPES, SketchedModule, unregister_owner
 from rgc.sketched import SketchedWeight
+from rgc.updates import is_zero
 
 _FLAGS = ("has_gate", "has_bias", "is_transposed", "num_experts")
 
@@ -177,15 +181,19 @@ class SketchedExperts(SketchedModule):
     def forward(self, hidden_states, *args, **kwargs):
         for owner in self.rgc_owners.values():
             owner.ensure_materialised()
-        if not torch.is_grad_enabled() or not any(
-                o.weight.requires_grad for o in self.rgc_owners.values()):
+        tangents = self.__dict__.get("_rgc_tangents")
+        if tangents is None and fwAD.unpack_dual(hidden_states).tangent is not None:
+            tangents = {}  # forward AD through experts with no update: no grouped GEMM's JVP
+        if tangents is None and (not torch.is_grad_enabled() or not any(
+                o.weight.requires_grad for o in self.rgc_owners.values())):
             return super().forward(hidden_states, *args, **kwargs)
         # the routing arguments by position, whatever the class names them (gpt-oss:
         # router_indices, routing_weights; the others: top_k_index, top_k_weights)
         bound = _forward_signature(self._rgc_base).bind(self, hidden_states, *args, **kwargs)
         bound.apply_defaults()
         _, _, top_k_index, top_k_weights = bound.args[:4]
-        return sketched_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        return sketched_experts_forward(self, hidden_states, top_k_index, top_k_weights,
+                                        tangents=tangents)
 
     def owners_by_attribute(self) -> dict:
         return self.__dict__.get("rgc_owners", {})
@@ -264,9 +272,27 @@ def unsketch_experts(module: nn.Module) -> None:
     module.__class__ = module._rgc_base
 
 
+@contextlib.contextmanager
+def update_tangents(updates: list):
+    """While open, the sketched experts forward gives the outputs of the expert products of
+    ``updates`` (:class:`rgc.updates.LowRankUpdate` of expert weights) their forward-mode
+    tangent: what a step controller's probe (:func:`rgc.control.logits_jvp`) needs, inside an
+    ``fwAD.dual_level()``. Other modules are untouched."""
+    modules: dict[nn.Module, dict] = {}
+    for u in updates:
+        modules.setdefault(u.layer.module, {})[u.layer.name] = u
+    try:
+        for module, by_name in modules.items():
+            module.__dict__["_rgc_tangents"] = by_name
+        yield
+    finally:
+        for module in modules:
+            module.__dict__.pop("_rgc_tangents", None)
+
+
 def sketched_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
-                             top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-                             ) -> torch.Tensor:
+                             top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
+                             tangents: dict | None = None) -> torch.Tensor:
     """The experts layer on ``n`` tokens with sketched expert weights.
 
     ``hidden_states`` [n, H]; ``top_k_index`` [n, K] (int, expert of each of a token's K
@@ -275,6 +301,10 @@ def sketched_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
     implementation sorts them, so the outputs are its outputs bit for bit), run through the up
     (gate/up) weight, its bias, the module's own gate/activation, the down weight, its bias and
     optional post-expert norm, then weighted and summed per token in the same order.
+
+    ``tangents`` (``{weight name: LowRankUpdate}``, set by :func:`update_tangents`): the
+    forward-mode form of the same computation, the products by :func:`_product_with_tangent`
+    (no sketch is accumulated).
     """
     up_name, down_name = expert_weight_names(module)
     up, down = getattr(module, up_name), getattr(module, down_name)
@@ -294,7 +324,10 @@ def sketched_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
 
     x = hidden_states.to(up.dtype)
     up_owner = owners.get(up_name)
-    if up_owner is not None and up.requires_grad:
+    if tangents is not None:
+        h = _product_with_tangent(x[token_of_row], _matrices(module, up_name), offs,
+                                  expert_sorted, tangents.get(up_name))
+    elif up_owner is not None and up.requires_grad:
         up_owner._register()
         # one X P per token, shared by the token's experts (P is the same for all of them)
         xp = torch.matmul(x.detach(), up_owner.projection)
@@ -310,12 +343,16 @@ def sketched_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
 
     down_owner = owners.get(down_name)
     sketched = down_owner is not None and down.requires_grad
-    if sketched:
-        down_owner._register()
-    y = SketchedExpertsFunction.apply(
-        h.to(down.dtype), _matrices(module, down_name), offs,
-        down_owner.projection if sketched else None, None, None,
-        down_owner._sketch_slot if sketched else None)
+    if tangents is not None:
+        y = _product_with_tangent(h.to(down.dtype), _matrices(module, down_name), offs,
+                                  expert_sorted, tangents.get(down_name))
+    else:
+        if sketched:
+            down_owner._register()
+        y = SketchedExpertsFunction.apply(
+            h.to(down.dtype), _matrices(module, down_name), offs,
+            down_owner.projection if sketched else None, None, None,
+            down_owner._sketch_slot if sketched else None)
     if module.has_bias:
         y = y + getattr(module, f"{down_name}_bias")[expert_sorted]
     if getattr(module, "has_post_expert_norm", False):
@@ -326,6 +363,40 @@ def sketched_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
     inverse[perm] = torch.arange(perm.shape[0], device=perm.device)
     out = y[inverse].view(hidden_states.shape[0], num_top_k, -1).sum(dim=1)
     return out.to(hidden_states.dtype)
+
+
+def _product_with_tangent(x: torch.Tensor, weights: torch.Tensor, offs: torch.Tensor,
+                          expert_of_row: torch.Tensor, update) -> torch.Tensor:
+    """``x[rows of e] W_e^T`` with its forward-mode tangent: ``x``'s and ``W``'s own tangents
+    (either may be a dual tensor) carried through, plus, for ``update`` (a
+    :class:`rgc.updates.LowRankUpdate` ``W_e <- W_e (1 - decay_e) - coef_e U_e P^T``, or
+    ``None``), ``-(coef_e (X P) U_e^T + decay_e X W_e^T)`` per row: from ``X P`` (S x r) and
+    ``U`` (E x d x r), with no d x k tensor.
+
+    x: ``[S, k]`` sorted by expert (``offs``, ``expert_of_row`` ``[S]``); weights ``[E, d, k]``.
+    Returns ``[S, d]`` in ``x``'s dtype, dual when it has a tangent.
+    """
+    x, x_tangent = fwAD.unpack_dual(x)
+    weights, w_tangent = fwAD.unpack_dual(weights)
+    out = grouped_mm(x, weights.transpose(1, 2), offs)
+    parts = []
+    if x_tangent is not None:
+        parts.append(grouped_mm(x_tangent, weights.transpose(1, 2), offs))
+    if w_tangent is not None:
+        parts.append(grouped_mm(x, w_tangent.transpose(1, 2), offs))
+    if update is not None:
+        # rows past offs[-1] (a dropped slot) are left unwritten by grouped_mm: any expert id
+        expert = expert_of_row.clamp(max=weights.shape[0] - 1)
+        xp = x.to(torch.float32) @ update.layer.projection.to(torch.float32)
+        own = grouped_mm(xp, update.factor.to(torch.float32).transpose(1, 2), offs)
+        own.mul_(torch.as_tensor(update.coef, device=own.device)[expert].unsqueeze(-1))
+        if not is_zero(update.decay):
+            decay = torch.as_tensor(update.decay, device=own.device)[expert].unsqueeze(-1)
+            own.add_(out.to(torch.float32) * decay)
+        parts.append(own.neg_().to(out.dtype))
+    if not parts:
+        return out
+    return fwAD.make_dual(out, functools.reduce(torch.add, parts))
 
 
 def _matrices(module: nn.Module, name: str) -> torch.Tensor:

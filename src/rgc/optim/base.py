@@ -131,20 +131,6 @@ INT_STATE_KEYS = ("step", "skipped", "layer_seed", "projection_version")
 STEPS_KEY = "rgc_steps_taken"
 
 
-def _check_step_control_serves(param_groups: list[dict]) -> None:
-    """NotImplementedError for a trainable stack of experts: a step controller predicts the
-    KL from the forward-mode tangent of each sketched linear layer's output, which an expert
-    stack (routed tokens, one matrix per expert) does not provide."""
-    stacks = [tuple(p.shape) for g in param_groups for p in g["params"] if p.requires_grad
-              and (o := sketched_owner_of(p)) is not None and o.num_matrices > 1]
-    if stacks:
-        raise NotImplementedError(
-            f"step_control does not serve stacks of experts ({len(stacks)} trainable, e.g. "
-            f"{stacks[0]}): the predicted KL needs the forward-mode tangent of each sketched "
-            "layer, which the sketched experts forward does not provide. Train the experts "
-            "without step_control, or freeze them (requires_grad_(False)) for this optimizer")
-
-
 def stack_state(state: dict, key: str, sketch: torch.Tensor, flat: bool, *,
                 per_row: bool = False) -> torch.Tensor:
     """``state[key]`` of a sketched weight, seen as a stack: ``[E, d, r]`` (``[E, d]`` when
@@ -222,8 +208,6 @@ class SketchOptimizer(Optimizer):
                                              and hasattr(step_control, "after_update")):
             raise TypeError("step_control must provide scale(optimizer, updates) and "
                             f"after_update(), e.g. rgc.PredictedKL; got {step_control!r}")
-        if step_control is not None:
-            _check_step_control_serves(self.param_groups)
         self.step_control = step_control
         self.keep_updates = bool(keep_updates)
         self.steps_taken = 0
@@ -556,16 +540,19 @@ class SketchOptimizer(Optimizer):
         torch._foreach_add_([e.state["skipped"] for e in entries], list(bad.unbind(0)))
 
     def _control(self, control, updates: list) -> tuple[float, bool]:
-        """The step controller's ``alpha`` from the active updates (one host read of the
-        active flags of all of them); ``(1.0, False)`` when none is active."""
+        """The step controller's ``alpha`` from the active updates of whole parameters (one
+        host read of the active flags of all of them); ``(1.0, False)`` when none is active.
+        The flags are read after the shards are gathered: a rank's share of an expert stack
+        may have no active expert where another rank's has one."""
         members = [m for u in updates for m in (u.members() if isinstance(u, StackUpdate)
                                                 else [u])]
+        whole = self.comm.whole_updates(members)
         flags = [m.active if not torch.is_tensor(m.active) or m.active.dim() == 0
-                 else m.active.any() for m in members]
-        active = [m for m, a in zip(members, to_host(flags), strict=True) if a]
+                 else m.active.any() for m in whole]
+        active = [m for m, a in zip(whole, to_host(flags), strict=True) if a]
         if not active:
             return 1.0, False
-        return float(control.scale(self, self.comm.whole_updates(active))), True
+        return float(control.scale(self, active)), True
 
     def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` summed over the processes that train this model together (a step
