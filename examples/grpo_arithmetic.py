@@ -51,12 +51,11 @@ PRESETS = {
     # a run, and the last one (step 300) is the one the choice of rates reads.
     "default": Preset(model=ModelConfig(), warm=WarmStart(), grpo=GRPOSettings(eval_every=50)),
     "full": Preset(model=ModelConfig(), warm=WarmStart(), grpo=GRPOSettings(eval_every=50),
-                   seeds=(0, 1, 2, 3, 4), selection="per_seed",
-                   methods=("adamw", "adamw_proj", "lora", "rgc", "rowadam")),
+                   seeds=(0, 1, 2, 3, 4), selection="per_seed"),
 }
 # The MoE policy: RGC, dense AdamW and LoRA train the same attention projections and expert
 # stacks (dense AdamW also the embeddings, norms and head; no method the routers).
-MOE_METHODS = ("adamw", "lora", "rgc")
+MOE_METHODS = ("adamw", "lora", "rgc", "rowadam")
 PRESETS["moe_quick"] = replace(PRESETS["quick"], methods=MOE_METHODS, model=MoEConfig(
     hidden=64, layers=2, heads=2, kv_heads=1, intermediate=64, experts=4))
 PRESETS["moe"] = Preset(model=MoEConfig(), warm=WarmStart(), grpo=GRPOSettings(eval_every=50),

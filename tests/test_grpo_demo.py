@@ -52,7 +52,7 @@ def test_quick_run_writes_table_plot_and_json(tmp_path):
     assert "Pooled over 2 GRPO seeds x 500 test questions" in first.stdout
     assert (out / "dev_accuracy.png").stat().st_size > 0
     result = json.loads((out / "results.json").read_text())
-    kinds = ["adamw", "adamw_proj", "lora", "rgc"]
+    kinds = ["adamw", "adamw_proj", "lora", "rgc", "rowadam"]
     assert [c["seed"] for c in result["chosen"]] == [0, 1]
     for c in result["chosen"]:
         assert list(c["methods"]) == kinds
@@ -78,12 +78,15 @@ def test_quick_run_writes_table_plot_and_json(tmp_path):
         n = methods[kind]["trainable_params"]
         assert 12 * n <= methods[kind]["extra_state_bytes"] < 12 * n + 1024
     assert methods["adamw_proj"]["trainable_params"] == methods["rgc"]["trainable_params"]
+    assert methods["rowadam"]["trainable_params"] == methods["rgc"]["trainable_params"]
     assert methods["adamw_proj"]["trainable_params"] < methods["adamw"]["trainable_params"]
     assert methods["rgc"]["train_peak_bytes"] < methods["adamw"]["train_peak_bytes"]
-    # The verdict: every method against the base, RGC against each other method, and the two
-    # trainable sets of dense AdamW; a per-seed and a pooled figure for each.
+    # The verdict: every method against the base, RGC against each other method, RowAdam +
+    # predicted KL against AdamW and LoRA, and the two trainable sets of dense AdamW; a
+    # per-seed and a pooled figure for each.
     names = [v["comparison"] for v in result["verdict"]]
     assert "RGC - dense AdamW" in names and "RGC - LoRA" in names
+    assert "RowAdam + predicted KL - dense AdamW, 7 projections" in names
     assert "dense AdamW, 7 projections - dense AdamW" in names
     assert all(len(v["per_seed"]) == 2 and v["pooled"]["seeds"] == 2 for v in result["verdict"])
 
@@ -111,10 +114,10 @@ def test_quick_run_writes_table_plot_and_json(tmp_path):
 
 @pytest.mark.slow
 def test_moe_quick_run_trains_attention_and_experts(tmp_path):
-    """``--moe --quick``: a Qwen3-MoE policy through the whole pipeline. RGC and LoRA train the
-    attention projections and the expert stacks, dense AdamW those and the embeddings, norms
-    and head, no method the routers; the report has every method's rows, and an RGC step moves
-    every expert."""
+    """``--moe --quick``: a Qwen3-MoE policy through the whole pipeline. RGC, RowAdam (with
+    predicted-KL step control through the experts) and LoRA train the attention projections
+    and the expert stacks, dense AdamW those and the embeddings, norms and head, no method the
+    routers; the report has every method's rows, and an RGC step moves every expert."""
     env = _demo_env()
     import rgc.compute
 
@@ -127,12 +130,12 @@ def test_moe_quick_run_trains_attention_and_experts(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())
     assert result["preset"] == "moe_quick" and result["policy"].startswith("Qwen3-MoE")
-    kinds = ["adamw", "lora", "rgc"]
+    kinds = ["adamw", "lora", "rgc", "rowadam"]
     assert [list(c["methods"]) for c in result["chosen"]] == [kinds, kinds]
     report = (out / "results.md").read_text()
     assert "policy: Qwen3-MoE" in report
     for seed in (0, 1):
-        for label in ("adamw lr=", "lora r=8", "rgc r=8"):
+        for label in ("adamw lr=", "lora r=8", "rgc r=8", "rowadam r=8"):
             assert f"| {seed} | {label}" in report
     names = [v["comparison"] for v in result["verdict"]]
     assert "RGC - dense AdamW" in names and "RGC - LoRA" in names
@@ -145,7 +148,7 @@ def test_moe_quick_run_trains_attention_and_experts(tmp_path):
     adapters = layers * (sum(rank * (d + k) for d, k in attention)
                          + experts * sum(rank * (d + k) for d, k in expert))
     methods = result["chosen"][0]["methods"]
-    assert methods["rgc"]["trainable_params"] == weights
+    assert methods["rgc"]["trainable_params"] == methods["rowadam"]["trainable_params"] == weights
     assert methods["lora"]["trainable_params"] == adapters
     # Dense AdamW: also the embedding and the head (16 x 64 each) and the norms (per layer two
     # of hidden size, q_norm and k_norm of head size 32; a final one), not the routers.

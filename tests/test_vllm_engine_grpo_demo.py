@@ -31,11 +31,11 @@ def test_moe_quick_run_with_engine_rollouts(tmp_path):
     assert "--vllm: lora left out" in run.stdout
     result = json.loads((out / "results.json").read_text())
     steps = result["settings"]["grpo"]["steps"]
-    assert {r["kind"] for r in result["runs"]} == {"adamw", "rgc"}
+    assert {r["kind"] for r in result["runs"]} == {"adamw", "rgc", "rowadam"}
     for r in result["runs"]:
         engine = r["engine"]
         assert engine["bit_exact_at_end"], r["label"]
-        if r["kind"] == "rgc":
+        if r["kind"] in ("rgc", "rowadam"):
             assert (engine["payloads"], engine["full_loads"]) == (steps, 1)
         else:
             assert (engine["payloads"], engine["full_loads"]) == (0, steps + 1)

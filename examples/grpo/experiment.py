@@ -42,7 +42,7 @@ class Preset:
     grpo: GRPOSettings
     seeds: tuple[int, ...] = (0, 1, 2)
     base_seed: int = 0
-    methods: tuple[str, ...] = ("adamw", "adamw_proj", "lora", "rgc")
+    methods: tuple[str, ...] = ("adamw", "adamw_proj", "lora", "rgc", "rowadam")
     multipliers: tuple[float, ...] = (1.0, 3.0)
     selection: str = "first_seed"
     n_train: int = 20000

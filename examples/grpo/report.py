@@ -17,9 +17,12 @@ from grpo.stats import paired_difference, seeds_and_questions_bootstrap
 
 
 def comparisons(kinds) -> list[tuple[str, str]]:
-    """(a, b) pairs reported as ``a - b``: RGC against every other method, and dense AdamW on
-    the projections against dense AdamW on every parameter (does the trainable set matter)."""
+    """(a, b) pairs reported as ``a - b``: RGC against every other method, RowAdam + predicted
+    KL (the LoGRA recipe) against dense AdamW and LoRA, and dense AdamW on the projections
+    against dense AdamW on every parameter (does the trainable set matter)."""
     pairs = [("rgc", k) for k in kinds if k != "rgc"] if "rgc" in kinds else []
+    if "rowadam" in kinds:
+        pairs += [("rowadam", k) for k in ("adamw", "adamw_proj", "lora") if k in kinds]
     if {"adamw", "adamw_proj"} <= set(kinds):
         pairs.append(("adamw_proj", "adamw"))
     return pairs

@@ -23,6 +23,10 @@ def calibrate_lr(model: nn.Module, adamw_lr: float = 1e-6) -> float:
     where rms is the root mean square of all compressed weight elements of ``model`` (which
     must be wrapped with :func:`rgc.wrap`), expert stacks included. METHOD.md's recipe then
     tries tau and 3 * tau.
+
+    For :class:`rgc.RGCOptimizer` only (a normalised step). :class:`rgc.RowAdam` (the LoGRA
+    recipe) takes AdamW's rate as it is: its per-row second moments scale each step as Adam's
+    do, and a step controller then bounds it (the GRPO demo gives both 1e-4).
     """
     if not (adamw_lr > 0):
         raise ValueError(f"adamw_lr must be > 0, got {adamw_lr!r}")
