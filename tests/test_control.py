@@ -149,12 +149,23 @@ def test_anneal_schedule_hits_endpoints(schedule):
     assert [r["predicted_kl"] for r in ctl.history] == pytest.approx([2e-4, 1.1e-4, 2e-5])
 
 
-def test_jvp_allocates_no_dense_update_of_a_compressed_layer():
-    model = _tiny("qwen3", "sdpa")
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_jvp_allocates_no_dense_update_of_a_compressed_layer(arch):
+    """No d x k tensor (nor an E x d x k stack) while the controller probes: not for a
+    compressed linear layer, not for an expert."""
+    if arch == "qwen3_moe":
+        from tests.models import tiny_moe
+
+        model = tiny_moe(arch, layers=2, vocab=VOCAB, hidden=32, expert_inter=24)
+    else:
+        model = _tiny(arch, "sdpa")
     rgc.wrap(model, 4)
-    layers = rgc.compressed_layers(model)
+    layers = rgc.sketched_weights(model)
     forbidden = {s for _, m in layers for s in ((m.out_features, m.in_features),
                                                 (m.in_features, m.out_features))}
+    forbidden |= {(m.num_matrices, *s) for _, m in layers if m.num_matrices > 1
+                  for s in ((m.out_features, m.in_features), (m.in_features, m.out_features))}
+    assert (arch == "qwen3_moe") == any(m.num_matrices > 1 for _, m in layers)
     recorders = []
 
     class Recorded(rgc.PredictedKL):
