@@ -187,6 +187,23 @@ def test_copies_and_pickles_keep_their_owners_and_sketch_their_own_weights():
     assert all(o.sketch is None for _, o in rgc.sketched_weights(model))
 
 
+def test_an_owner_that_outlives_its_module_leaves_the_registry():
+    """A reference kept to an expert owner does not keep its registry entry once its module
+    is collected: a new tensor that reuses the weight's id must not find a stale owner."""
+    import gc
+
+    from rgc.registry import _OWNERS
+
+    model = rgc.wrap(tiny_moe("qwen3_moe", layers=1), 4)
+    owners = [o for _, o in rgc.sketched_weights(model) if o.num_matrices > 1]
+    keys = [o._registry_key for o in owners]
+    assert owners and all(_OWNERS[k]() is o for k, o in zip(keys, owners, strict=True))
+    del model
+    gc.collect()
+    assert all(k not in _OWNERS or _OWNERS[k]() is not o
+               for k, o in zip(keys, owners, strict=True))
+
+
 def test_cast_regenerates_the_projection_in_the_new_dtype():
     model = rgc.wrap(tiny_moe("olmoe", torch.bfloat16), rank=4)
     owner = model.model.layers[0].mlp.experts.rgc_owners["gate_up_proj"]

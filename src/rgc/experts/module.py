@@ -40,7 +40,12 @@ import torch.nn as nn
 from rgc.experts.autograd import SketchedExpertsFunction
 from rgc.experts.grouped import grouped_mm
 from rgc.projection import check_rank
-from rgc.registry import SUPPORTED_WEIGHT_DTYPES, SketchedModule, unregister_owner
+from rgc.registry import (
+    SUPPORTED_WEIGHT_DTYPES,
+    SketchedModule,
+    unregister_owner,
+    unregister_owner_key,
+)
 from rgc.sketched import SketchedWeight
 from rgc.updates import is_zero
 
@@ -83,7 +88,7 @@ class ExpertWeight(SketchedWeight):
                  refresh, seed: int):
         self.name = name
         self.transposed = bool(module.is_transposed)
-        self._module = weakref.ref(module)
+        self._bind(module)
         weight = getattr(module, name)
         experts, rows, cols = weight.shape
         self.num_matrices = experts
@@ -129,9 +134,23 @@ class ExpertWeight(SketchedWeight):
         """The weight as ``[E, d, k]`` (the transposed view of ``[E, k, d]`` storage)."""
         return _matrices(self.module, self.name)
 
+    def _bind(self, module: nn.Module) -> None:
+        """Hold ``module`` weakly; when it is collected, drop this owner's registry entry: an
+        owner that outlives its module (kept by a reference elsewhere) must not match a new
+        tensor that reuses its weight's id."""
+        me = weakref.ref(self)
+
+        def gone(_):
+            owner = me()
+            key = getattr(owner, "_registry_key", None)
+            if key is not None:
+                unregister_owner_key(key, owner)
+
+        self._module = weakref.ref(module, gone)
+
     def _attach(self, module: nn.Module) -> None:
         """Bind to ``module`` (after a copy or unpickling) and register the weight."""
-        self._module = weakref.ref(module)
+        self._bind(module)
         self._register()
         self._new_sketch_slot()
         self._guard_dense_gradient()
