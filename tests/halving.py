@@ -1,5 +1,5 @@
-"""The fixed summation order of rgc's bit contract, written out plainly in numpy (the
-independent reference of ``rgc.ops.pairwise_sums``)."""
+"""The sums of rgc's bit contract written out plainly: the fixed halving order in numpy (the
+independent reference of ``rgc.ops.pairwise_sums``) and the exact weight norm."""
 
 import numpy as np
 import torch
@@ -22,3 +22,14 @@ def halving_sums(x: torch.Tensor, square: bool) -> np.ndarray:
         half = v.shape[1] // 2
         v = v[:, :half] + v[:, half:]
     return v[:, 0].reshape(x.shape[:-1])
+
+
+def exact_square_sums(stack: torch.Tensor) -> np.ndarray:
+    """``||W_e||_F^2`` of each matrix of ``stack`` (``[E, d, k]``): the exact sum of the squares
+    (``math.fsum`` of the float64 squares, each exact) rounded once to FP32, the value the
+    weight norm of the contract promises."""
+    import math
+
+    sums = np.array([math.fsum(v * v for v in w.double().reshape(-1).tolist()) for w in stack])
+    with np.errstate(over="ignore"):  # beyond FP32's range: inf, as the rounding gives
+        return sums.astype(np.float32)

@@ -1,7 +1,9 @@
 """One bit contract (docs/design.md): the reductions that feed a coefficient have a fixed
-order, so rgc's results do not depend on the CPU's vector width, on dynamo, or on batching.
+order, or the weight norm's precision, so rgc's results do not depend on the CPU's vector
+width, on dynamo, or on batching.
 
-``pairwise_sums`` is checked against the halving order written out plainly in numpy; the
+``pairwise_sums`` is checked against the halving order written out plainly in numpy, the
+weight norm against the exact sum of squares; the
 whole contract by running ``tests/bit_contract.py`` (fixed inputs, digests of every result)
 under each CPU capability, with dynamo on and off, and with MKL on the AVX2 code path an
 AVX2-only CPU takes.
@@ -23,7 +25,7 @@ from hypothesis import strategies as st
 
 from rgc import ops
 from rgc.ops import reference
-from tests.halving import halving_sums
+from tests.halving import exact_square_sums, halving_sums
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,14 +42,28 @@ def test_pairwise_sums_add_in_the_halving_order(rows, n, square, dtype, seed):
     torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5 * n)
 
 
-def test_sum_squares_adds_rows_then_row_sums_in_the_halving_order():
-    g = torch.Generator().manual_seed(1)
-    for w in [torch.randn(3, 37, 130, generator=g).bfloat16(),
-              torch.randn(2, 40, 33, generator=g).bfloat16().transpose(1, 2),  # column-major
-              torch.randn(1, 50, 90, generator=g)[:, :, 10:73]]:  # a column slice
-        got = ops.sum_squares([w], 128)[0]
-        want = halving_sums(torch.from_numpy(halving_sums(w, square=True)), square=False)
-        assert np.array_equal(got.numpy().view(np.uint8), want.view(np.uint8))
+@given(layout=st.sampled_from(["rows", "columns", "column slice"]), e=st.integers(1, 3),
+       d=st.integers(1, 60), k=st.integers(1, 400), chunk_rows=st.sampled_from([1, 7, 128]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+       scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e30]), seed=st.integers(0, 2**31 - 1))
+def test_sum_squares_is_the_exact_sum_rounded_once(layout, e, d, k, chunk_rows, dtype, scale,
+                                                    seed):
+    """The weight norm is the FP32 rounding of the exact sum of squares, whatever the layout,
+    the chunk and the magnitude (FP32 squares that would over- or underflow included): float64
+    squares and sums, whose order can move the FP32 result only where the exact sum lies
+    within the float64 error of an FP32 rounding boundary (a chance far below 1e-6 per
+    matrix; the suite's draws are fixed)."""
+    g = torch.Generator().manual_seed(seed)
+    if layout == "rows":
+        w = torch.randn(e, d, k, generator=g)
+    elif layout == "columns":
+        w = torch.randn(e, k, d, generator=g).transpose(1, 2)
+    else:
+        w = torch.randn(e, d, k + 5, generator=g)[:, :, 2:k + 2]
+    w = (w * scale).to(dtype)
+    got = ops.sum_squares([w], chunk_rows)[0]
+    want = exact_square_sums(w)
+    assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.slow

@@ -191,6 +191,9 @@ def test_sum_squares_has_the_bits_of_the_update(layout):
                           torch.full((2, 2), 1e-4, device=CUDA), [1, 2], [0, 0], row_lengths,
                           True, 128, sq)
         assert torch.equal(T.sum_squares(ws, 128).view(torch.int32), sq.view(torch.int32))
+        # and the CPU's norm of the same weights (float64 sums on both): one contract
+        cpu = R.sum_squares([w.cpu() for w in ws], 128)
+        assert torch.equal(cpu.view(torch.int32), sq.cpu().view(torch.int32))
 
 
 def test_coef_zero_keeps_bits_with_nan_factors():

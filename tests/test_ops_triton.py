@@ -25,6 +25,7 @@ from rgc.bits import mix32, seed_words  # noqa: E402
 from rgc.ops import reference as R  # noqa: E402
 from rgc.ops import triton_buffers  # noqa: E402
 from tests.bf16_checks import MAX_MISMATCH, assert_close_bf16, bits16  # noqa: E402
+from tests.halving import exact_square_sums  # noqa: E402
 from tests.launches import CountLaunches  # noqa: E402
 
 T = None  # rgc.ops.triton, loaded interpreted by the fixture
@@ -271,8 +272,9 @@ def test_a_list_of_stacks_is_one_launch_per_layout():
     check_against_dense(before, ws, us, ps, coefs, decays, seeds, offsets, row_lengths)
     # coef 0 and decay 0 (stack 1, matrix 1): untouched
     assert torch.equal(pattern(ws[1][1]), pattern(before[1][1]))
-    want = torch.stack([(w.double() ** 2).sum(dim=(1, 2)) for w in ws]).float()
-    torch.testing.assert_close(sq, want, rtol=1e-6, atol=0)
+    # the exact sums of squares rounded once to FP32, as the reference computes them
+    want = torch.stack([torch.from_numpy(exact_square_sums(w)) for w in ws])
+    assert torch.equal(sq.view(torch.int32), want.view(torch.int32))
 
 
 def test_launches_do_not_grow_with_the_number_of_stacks():
@@ -398,12 +400,14 @@ def test_sq_norms_deterministic_and_sum_squares_has_the_same_bits():
         assert torch.equal(sq_a.view(torch.int32), sq_b.view(torch.int32)), name
         norms = T.sum_squares(w_a, 64)
         assert torch.equal(norms.view(torch.int32), sq_a.view(torch.int32)), name
-        want = torch.stack([(w.double() ** 2).sum(dim=(1, 2)) for w in w_a]).float()
-        torch.testing.assert_close(norms, want, rtol=1e-6, atol=0)
+        # the exact sums rounded once: the CPU's norm of the same weights, bit for bit
+        want = torch.stack([torch.from_numpy(exact_square_sums(w)) for w in w_a])
+        assert torch.equal(norms.view(torch.int32), want.view(torch.int32)), name
+        assert torch.equal(R.sum_squares(w_a, 64).view(torch.int32), want.view(torch.int32))
 
 
 def test_update_allocates_no_rows_of_h():
-    # The launcher allocates one FP32 partial sum per tile and the pointer table; no FP32
+    # The launcher allocates one float64 partial sum per tile and the pointer table; no FP32
     # tensor reaches 16 rows of H (16 x 160).
     ws, us, ps = stacks(2, 1, 96, 160, 8)
     coefs = torch.full((2, 1), 0.1)

@@ -649,13 +649,49 @@ def _scaled_inverse_cholesky(gram: torch.Tensor, scale: float) -> torch.Tensor:
 
 # -- the update and the norms ---------------------------------------------------------------
 
-def _sq_sums_into(stacks: list[torch.Tensor], out: torch.Tensor) -> None:
-    """``out[m, e] = ||W_e||_F^2`` of each stack ``[E, d, k]`` (any strides), FP32: the one
-    reduction of :func:`sum_squares` and of :func:`lowrank_update_`'s norms. Each row's
-    squares, then the d row sums, are added in the fixed order of :func:`pairwise_sums`, so
-    the bits depend only on the values and the shape."""
-    for m, w3 in enumerate(stacks):
-        out[m] = pairwise_sums(pairwise_sums(w3, square=True))
+#: Elements of W converted to float64 at once by the norm (:func:`square_sum`): 512 KiB.
+SQUARE_SUM_BLOCK = 1 << 16
+
+
+def square_sum(x: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Tensor:
+    """``sum(float64(x)^2)`` over every element of ``x`` (any shape and strides, BF16, FP32 or
+    FP64 values): a 0-dim float64 tensor, the norm of every weight (:func:`sum_squares`,
+    :func:`lowrank_update_`).
+
+    Every square is exact in float64 (a BF16 or FP32 significand squared fits its 53 bits,
+    and neither overflows nor underflows), and the sums are added in whatever order torch's
+    kernels choose: rounded once to FP32, the result is that of the exact sum but where the
+    exact sum lies within the float64 error (far below 2**-29 of it) of an FP32 rounding
+    boundary, which no machine, vector width, compiler or tile order moves otherwise (the
+    Triton kernel sums in float64 too). ``x`` is converted :data:`SQUARE_SUM_BLOCK` elements
+    (whole rows where they fit) at a time into ``buffer`` (float64, at least one element;
+    default a new one of at most that size), so no copy of ``x`` is ever made."""
+    x = x.detach()
+    if x.dim() > 2 and _rows_view(x) is None:  # leading dimensions that do not collapse
+        return sum((square_sum(part, buffer) for part in x),
+                   torch.zeros((), dtype=torch.float64, device=x.device))
+    n = x.shape[-1] if x.dim() else 1
+    rows = x.reshape(-1, n)  # a view: 0-D and 1-D, or leading dimensions that collapse
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    if rows.numel() == 0:
+        return total
+    if buffer is None:
+        buffer = torch.empty(min(rows.numel(), SQUARE_SUM_BLOCK), dtype=torch.float64,
+                             device=x.device)
+    size = min(buffer.numel(), SQUARE_SUM_BLOCK)
+    if n > size:  # rows longer than a block: a block of one row at a time
+        for row in rows:
+            for start in range(0, n, size):
+                part = row[start:start + size]
+                block = buffer[:part.numel()].copy_(part)
+                total += torch.dot(block, block)
+        return total
+    step = size // n
+    for start in range(0, rows.shape[0], step):
+        part = rows[start:start + step]
+        block = buffer[:part.numel()].view(part.shape).copy_(part).view(-1)
+        total += torch.dot(block, block)
+    return total
 
 
 def _write_rows(rows: torch.Tensor, h: torch.Tensor, factor: torch.Tensor | None, *,
@@ -702,8 +738,9 @@ def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
     factor and P are replaced by zeros (a select), so ``U P^T`` is exactly +0 and, with
     ``decay == 0``, W is stored back bit-identical (signed zeros included) even when U or P
     hold inf/NaN. ``sq_norms`` (``[M, E]`` FP32 or ``None``) is
-    overwritten with ``sum(float32(stored W)^2)`` per matrix, after the stack is written (the
-    reduction of :func:`sum_squares`).
+    overwritten with ``||stored W||_F^2`` per matrix, the :func:`square_sum` of its chunks as
+    they are stored (converted in the consumed chunk's storage), rounded once to FP32: the
+    value :func:`sum_squares` gives (see :func:`square_sum`).
     """
     for m, (w3, u3, p) in enumerate(zip(weights, factors, projections, strict=True)):
         e_count, d, k = w3.shape
@@ -713,29 +750,39 @@ def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
             # one FP32 copy of P, zeroed in place where coef == 0 (a select, NaN and inf too)
             p_t = p.to(torch.float32, copy=True).masked_fill_(~keep, 0.0).t()
             factor = None if decays is None else 1.0 - decays[m, e]
+            norm = torch.zeros((), dtype=torch.float64, device=w3.device)
             for start in range(0, d, chunk_rows):
                 rows = w3[e, start:start + chunk_rows]
                 h = torch.where(keep, u3[e, start:start + chunk_rows] * c, 0.0) @ p_t
                 _write_rows(rows, h, factor, seed=seeds[m],
                             offset=offsets[m] + (e * d + start) * row_lengths[m],
                             row_length=row_lengths[m], stochastic_rounding=stochastic_rounding)
+                if sq_norms is not None:  # the rows just stored, converted in h's storage
+                    free = h.view(-1)[:h.numel() // 2 * 2].view(torch.float64)
+                    norm += square_sum(rows, free if free.numel() else None)
                 del h  # before the next chunk's: one chunk of FP32 at a time
-    if sq_norms is not None:
-        _sq_sums_into(weights, sq_norms)
+            if sq_norms is not None:
+                sq_norms[m, e] = norm.to(torch.float32)
 
 
 @torch.no_grad()
 def sum_squares(weights: list[torch.Tensor], chunk_rows: int) -> torch.Tensor:
-    """``||W_e||_F^2`` of every matrix of every stack, ``[M, E]`` FP32, in the fixed order of
-    :func:`pairwise_sums` (rows, then row sums; a chunk of rows in FP32 at a time;
-    ``chunk_rows`` is the kernels').
+    """``||W_e||_F^2`` of every matrix of every stack, ``[M, E]`` FP32: the :func:`square_sum`
+    of each matrix rounded once, converted through one float64 buffer of at most half a
+    ``chunk_rows``-row chunk of the widest matrix (the bytes of its FP32 chunk of H).
 
-    weights[m]: ``[E, d, k]`` (same E for all m)."""
+    weights[m]: ``[E, d, k]`` (same E for all m, any strides)."""
     if not weights:
         return torch.zeros(0, 0, dtype=torch.float32)
     out = torch.zeros(len(weights), weights[0].shape[0], dtype=torch.float32,
                       device=weights[0].device)
-    _sq_sums_into(weights, out)
+    largest = max(w.shape[1] * w.shape[2] for w in weights)
+    k = max(w.shape[2] for w in weights)
+    size = max(1, min(SQUARE_SUM_BLOCK, chunk_rows * k // 2, largest))
+    buffer = torch.empty(size, dtype=torch.float64, device=weights[0].device)
+    for m, w3 in enumerate(weights):
+        for e, w in enumerate(w3):
+            out[m, e] = square_sum(w, buffer).to(torch.float32)
     return out
 
 

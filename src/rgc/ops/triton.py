@@ -119,8 +119,16 @@ _sum = tl.standard._sum_combine
 
 @triton.jit
 def _tile_sum(x):
-    """Sum of a 2-D tile: rows first, then the row sums (the order every norm uses)."""
+    """Sum of a 2-D tile: rows first, then the row sums."""
     return tl.reduce(tl.reduce(x, 1, _sum), 0, _sum)
+
+
+@triton.jit
+def _tile_square_sum(x):
+    """Float64 sum of the squares of an FP32 tile: each square exact, so the weight norm does
+    not depend on the tile order beyond float64 rounding (see reference.square_sum)."""
+    x64 = x.to(tl.float64)
+    return _tile_sum(x64 * x64)
 
 
 @triton.jit
@@ -491,7 +499,7 @@ def _lowrank_update_kernel(table_ptr, coef_ptr, decay_ptr, partial_ptr, d, k, r,
     if NORM_ONLY:
         w = tl.load(w_base + (rows[:, None] * stride_wm + cols[None, :] * stride_wn),
                     mask=mask, other=0.0).to(tl.float32)
-        tl.store(partial, _tile_sum(w * w))
+        tl.store(partial, _tile_square_sum(w))
     else:
         m = tl.load(entry + _M)
         coef = tl.load(coef_ptr + m * stride_cm + e * stride_ce)
@@ -546,7 +554,7 @@ def _lowrank_update_kernel(table_ptr, coef_ptr, decay_ptr, partial_ptr, d, k, r,
             out = new
         # coef == 0 (and decay == 0) stores nothing, so W keeps its bits.
         stored = tl.where(mask, tl.where(skip, w, out.to(tl.float32)), 0.0)
-        tl.store(partial, _tile_sum(stored * stored))
+        tl.store(partial, _tile_square_sum(stored))
         # (A select: the interpreter cannot AND a loaded scalar into a mask.)
         tl.store(w_ptrs, out, mask=tl.where(skip, False, mask))
 
@@ -554,22 +562,24 @@ def _lowrank_update_kernel(table_ptr, coef_ptr, decay_ptr, partial_ptr, d, k, r,
 @triton.jit(do_not_specialize=["n", "stride_om", "stride_oe"])
 def _finish_kernel(partial_ptr, flag_ptr, table_ptr, out_ptr, flag_out_ptr, n,
                    stride_om, stride_oe, TABLE: tl.constexpr, M_COL: tl.constexpr,
-                   BLOCK: tl.constexpr, HAS_FLAGS: tl.constexpr, CLAMP: tl.constexpr):
+                   BLOCK: tl.constexpr, HAS_FLAGS: tl.constexpr, CLAMP: tl.constexpr,
+                   ACC_DTYPE: tl.constexpr):
     """``out[m, e] = sum`` of the ``n`` partials of matrix ``e`` of stack ``g`` in an order
-    fixed by ``n`` and BLOCK (``m`` from column M_COL of the table); HAS_FLAGS: also
-    ``flag_out[m, e] = (sum of its flag partials == 0)``; CLAMP: negative sums become 0."""
+    fixed by ``n`` and BLOCK (``m`` from column M_COL of the table), added in ACC_DTYPE (the
+    partials') and rounded once to ``out``'s FP32; HAS_FLAGS: also ``flag_out[m, e] = (sum
+    of its flag partials == 0)``; CLAMP: negative sums become 0."""
     e = tl.program_id(0)
     g = tl.program_id(1)
     start_of = (g * tl.num_programs(0) + e).to(tl.int64) * n
     idx = tl.arange(0, BLOCK)
-    acc = tl.full((BLOCK,), 0.0, tl.float32)
+    acc = tl.full((BLOCK,), 0.0, ACC_DTYPE)
     bad = tl.full((BLOCK,), 0.0, tl.float32)
     for start in range(0, n, BLOCK):
         ok = idx < n - start
         acc += tl.load(partial_ptr + start_of + start + idx, mask=ok, other=0.0)
         if HAS_FLAGS:
             bad += tl.load(flag_ptr + start_of + start + idx, mask=ok, other=0.0)
-    total = tl.reduce(acc, 0, _sum)
+    total = tl.reduce(acc, 0, _sum).to(tl.float32)
     if CLAMP:
         total = tl.where(total < 0, 0.0, total)  # NaN stays NaN
     m = tl.load(table_ptr + g * TABLE + M_COL)
@@ -1040,8 +1050,10 @@ def _check_stacks(weights, factors=None, projections=None) -> torch.device | Non
     return device
 
 
-def _norm_partials(device: torch.device, count: int, e: int, tiles: int) -> torch.Tensor:
-    return torch.empty(count * e * tiles, dtype=torch.float32, device=device)
+def _norm_partials(device: torch.device, count: int, e: int, tiles: int,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One partial per program of each matrix (FP32; the weight norms' in float64)."""
+    return torch.empty(count * e * tiles, dtype=dtype, device=device)
 
 
 def _finish_launch(partials: torch.Tensor, table: torch.Tensor, out: torch.Tensor,
@@ -1053,7 +1065,8 @@ def _finish_launch(partials: torch.Tensor, table: torch.Tensor, out: torch.Tenso
             (partials, partials if flags is None else flags, table, out,
              out if flag_out is None else flag_out, n, out.stride(0), out.stride(1)),
             dict(TABLE=table_width, M_COL=m_col, BLOCK=SUM_BLOCK, HAS_FLAGS=flags is not None,
-                 CLAMP=clamp, num_warps=4, enable_fp_fusion=True))
+                 CLAMP=clamp, ACC_DTYPE=_TL_DTYPES[partials.dtype], num_warps=4,
+                 enable_fp_fusion=True))
 
 
 def update_config(w: torch.Tensor, u: torch.Tensor, p: torch.Tensor, stochastic: bool,
@@ -1116,7 +1129,7 @@ def update_launches(weights: list[torch.Tensor], factors: list[torch.Tensor],
             continue
         table = _table(rows, device)
         tiles = update_programs(d, k, cfg)
-        partials = _norm_partials(device, len(group), e, tiles)
+        partials = _norm_partials(device, len(group), e, tiles, torch.float64)
         if tiles:
             ptr_aligned = _aligned_ptrs(*(t for m in group for t in
                                           (weights[m], factors[m], projections[m])))
@@ -1167,7 +1180,7 @@ def sum_squares_launches(weights: list[torch.Tensor], out: torch.Tensor) -> list
             continue
         table = _table([[weights[m].data_ptr(), 0, 0, m, 0, 0, 0, 0, 0] for m in group], device)
         tiles = update_programs(d, k)
-        partials = _norm_partials(device, len(group), e, tiles)
+        partials = _norm_partials(device, len(group), e, tiles, torch.float64)
         if tiles:
             ptr_aligned = _aligned_ptrs(*(weights[m] for m in group))
             launches.append((
