@@ -68,7 +68,7 @@ def layer_phases(d: int, k: int, r: int, *, w_bytes: int = 2, p_bytes: int = 2) 
       from ``||W||^2`` left by the previous update: 3 launches.
     * ``update (fused)``: ``rgc.ops.lowrank_update_``: reads and writes W once
       (2 ``w_bytes`` d k), reads C and P once from HBM (their re-reads by the d/64 x k/64
-      tiles are L2 traffic), writes one FP32 partial sum of squares per tile and sums them
+      tiles are L2 traffic), writes one float64 partial sum of squares per tile and sums them
       into ``||W_new||^2`` (second launch). No separate ``||W||`` pass.
     * ``sketch zero``: ``C.zero_()``, 4 d r bytes written.
     * ``P refresh (CholeskyQR)``, ``rgc.projection`` for k >= 4r: G (k x r FP32) written
@@ -86,7 +86,7 @@ def layer_phases(d: int, k: int, r: int, *, w_bytes: int = 2, p_bytes: int = 2) 
     l2 = tiles * (TILE_M * 4 + TILE_N * p_bytes) * r - c_bytes - p_total
     return [
         Phase("norm of H (r x r Grams)", c_bytes + p_total, 0, flops=2.0 * r * r * (d + k)),
-        Phase("update (fused)", 2 * w_bytes * d * k + c_bytes + p_total + 2 * 4 * tiles, 0,
+        Phase("update (fused)", 2 * w_bytes * d * k + c_bytes + p_total + 2 * 8 * tiles, 0,
               flops=2.0 * d * k * r * UPDATE_DOTS[p_bytes], tensor_cores=True, l2_bytes=l2),
         Phase("sketch zero", c_bytes, 0),
         Phase("P refresh (CholeskyQR)", 5 * g + p_total + (0 if p_bytes == 2 else 4 * g), 0,
