@@ -19,7 +19,7 @@ length: this is how an optimizer step's launches stay independent of the number 
 ``random_words``         the hash words of those bits, int32
 ``lowrank_update_``      ``W <- W (1 - decay) - coef U P^T`` per matrix, one rounded
                          write, ``||W_new||^2`` out
-``sum_squares``          ``||W||^2`` per matrix, in the update's reduction order
+``sum_squares``          ``||W||^2`` per matrix, the value the update writes
 ``sketch_stats``         ``||C P^T||^2`` from the r x r Gram, and finiteness, per matrix
 ``gaussian_matrices``    the Box-Muller ``G`` of a projection, per seed
 ``orthonormalize``       CholeskyQR of ``G`` (the orthonormal projection)
@@ -28,9 +28,10 @@ length: this is how an optimizer step's launches stay independent of the number 
 =======================  ==============================================================
 
 ``pairwise_sums`` (a plain function, every device) is the fixed-order sum over the last
-dimension that every reduction feeding a coefficient uses (docs/design.md, "One bit
-contract"); ``one_pass(k, r)`` says which CholeskyQR variant ``orthonormalize`` runs (one
-pass for ``k >= 4 r``, shifted CholeskyQR3 in float64 below).
+dimension that every reduction feeding a coefficient uses, but the weight norm, whose squares
+and sums are float64 (docs/design.md, "One bit contract"); ``one_pass(k, r)`` says which
+CholeskyQR variant ``orthonormalize`` runs (one pass for ``k >= 4 r``, shifted CholeskyQR3 in
+float64 below).
 """
 
 import functools

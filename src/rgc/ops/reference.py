@@ -5,8 +5,9 @@ formula in its docstring. They run on any device. On the CPU the elementwise loo
 ``torch.compile``d (:func:`_compiled`): the hash and rounding (integer operations only), the
 Box-Muller Gaussians and the update's multiply-subtract-round pass (the eager float operations
 one by one: inductor neither reassociates nor contracts them), so compiling changes no bit
-(the tests compare the two), and the norm's FP32 reduction (an order of its own, used by every
-norm the CPU computes). Everything else, the GEMMs and the factorisations, is eager torch.
+(the tests compare the two), and the FP32 reduction in a fixed order of :func:`pairwise_sums`.
+Everything else, the GEMMs, the factorisations and the weight norm (float64, which needs no
+fixed order: :func:`square_sum`), is eager torch.
 
 Stacks: a sketched weight is handled as ``[E, d, k]`` (``E = 1`` for a 2-D weight), its
 sketch ``[E, d, r]`` FP32, its projection ``P`` ``[k, r]``; element ``(e, i, j)`` of stack
@@ -136,9 +137,9 @@ def pairwise_sums(x: torch.Tensor, *, square: bool = False) -> torch.Tensor:
     and added in that dtype).
 
     Every step is one IEEE operation on two values, so the result does not depend on the
-    machine's vector width, on torch.compile or on how rows are batched: the reduction that
-    every norm feeding a coefficient uses (:func:`sum_squares`, :func:`sketch_stats`,
-    :func:`row_adam_`). On the CPU, for large inputs, the loop is compiled
+    machine's vector width, on torch.compile or on how rows are batched: the FP32 reduction
+    of the sums that feed a coefficient (:func:`row_adam_`'s ``v``, the optimizers' sums of
+    per-matrix norms). On the CPU, for large inputs, the loop is compiled
     (:func:`_compiled`), a chunk of :data:`PAIRWISE_CHUNK` padded elements per call; otherwise
     it runs eagerly, :data:`PAIRWISE_EAGER_CHUNK` at a time."""
     n = x.shape[-1]
@@ -660,12 +661,13 @@ def square_sum(x: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Ten
 
     Every square is exact in float64 (a BF16 or FP32 significand squared fits its 53 bits,
     and neither overflows nor underflows), and the sums are added in whatever order torch's
-    kernels choose: rounded once to FP32, the result is that of the exact sum but where the
-    exact sum lies within the float64 error (far below 2**-29 of it) of an FP32 rounding
-    boundary, which no machine, vector width, compiler or tile order moves otherwise (the
-    Triton kernel sums in float64 too). ``x`` is converted :data:`SQUARE_SUM_BLOCK` elements
-    (whole rows where they fit) at a time into ``buffer`` (float64, at least one element;
-    default a new one of at most that size), so no copy of ``x`` is ever made."""
+    kernels choose. Rounded once to FP32, the result is the exact sum's, except where the
+    exact sum lies within the float64 error (below ``n 2**-53`` of it for n elements) of an
+    FP32 rounding boundary: no machine, vector width, compiler or tile order moves it
+    otherwise (the Triton kernel sums in float64 too). ``x`` is converted
+    :data:`SQUARE_SUM_BLOCK` elements (whole rows where they fit) at a time into ``buffer``
+    (float64, at least one element; default a new one of at most that size), so no copy of
+    ``x`` is ever made."""
     x = x.detach()
     if x.dim() > 2 and _rows_view(x) is None:  # leading dimensions that do not collapse
         return sum((square_sum(part, buffer) for part in x),
