@@ -75,7 +75,8 @@ FP32 = 4
 
 #: Reference-path update, bytes per element of one ``chunk_rows x k`` chunk of H: the FP32
 #: rebuilt rows, which the compiled pass turns into the rounded patterns in place before they
-#: are stored into W (the norm of the written stack is a reduction without a copy). Measured
+#: are stored into W (each stored chunk's norm is formed in float64 in the chunk's consumed
+#: storage; ``sum_squares`` alone uses a float64 buffer of at most as many bytes). Measured
 #: with the tracker on torch 2.13; ``tests/test_memory_estimate.py`` checks whole steps.
 UPDATE_BYTES_PER_CHUNK_ELEMENT = 4
 
