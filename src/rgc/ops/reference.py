@@ -770,8 +770,9 @@ def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
 @torch.no_grad()
 def sum_squares(weights: list[torch.Tensor], chunk_rows: int) -> torch.Tensor:
     """``||W_e||_F^2`` of every matrix of every stack, ``[M, E]`` FP32: the :func:`square_sum`
-    of each matrix rounded once, converted through one float64 buffer of at most half a
-    ``chunk_rows``-row chunk of the widest matrix (the bytes of its FP32 chunk of H).
+    of each matrix rounded once, converted through one float64 buffer of at most
+    :data:`SQUARE_SUM_BLOCK` elements and at most the bytes of a ``chunk_rows``-row FP32 chunk
+    of H of the widest matrix.
 
     weights[m]: ``[E, d, k]`` (same E for all m, any strides)."""
     if not weights:
