@@ -655,9 +655,9 @@ SQUARE_SUM_BLOCK = 1 << 16
 
 
 def square_sum(x: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Tensor:
-    """``sum(float64(x)^2)`` over every element of ``x`` (any shape and strides, BF16, FP32 or
-    FP64 values): a 0-dim float64 tensor, the norm of every weight (:func:`sum_squares`,
-    :func:`lowrank_update_`).
+    """``sum(float64(x)^2)`` over every element of the matrix ``x`` (``[d, k]``, any strides,
+    BF16, FP32 or FP64 values): a 0-dim float64 tensor, the norm of every weight
+    (:func:`sum_squares`, :func:`lowrank_update_`).
 
     Every square is exact in float64 (a BF16 or FP32 significand squared fits its 53 bits,
     and neither overflows nor underflows), and the sums are added in whatever order torch's
@@ -668,12 +668,8 @@ def square_sum(x: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Ten
     :data:`SQUARE_SUM_BLOCK` elements (whole rows where they fit) at a time into ``buffer``
     (float64, at least one element; default a new one of at most that size), so no copy of
     ``x`` is ever made."""
-    x = x.detach()
-    if x.dim() > 2 and _rows_view(x) is None:  # leading dimensions that do not collapse
-        return sum((square_sum(part, buffer) for part in x),
-                   torch.zeros((), dtype=torch.float64, device=x.device))
-    n = x.shape[-1] if x.dim() else 1
-    rows = x.reshape(-1, n)  # a view: 0-D and 1-D, or leading dimensions that collapse
+    rows = x.detach()
+    n = rows.shape[1]
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     if rows.numel() == 0:
         return total
