@@ -1,0 +1,149 @@
+"""CPU: what the pieces of the reference step cost, one at a time (the parts of the rows of
+``optimizer_step_cpu.py``).
+
+Per call (the mean of 100 in a row): one call of a compiled loop on 64 elements (dynamo,
+the AOT wrapper and rgc's variant key: what every chunk pays once) beside one eager torch
+operation. Per element, on one chunk of ``2**18`` elements held in cache
+(``rgc.updates.CHUNK_ELEMENTS``): the counter hash alone, the compiled update pass
+(multiply-subtract, hash, rounding to BF16 patterns), the narrowing of the patterns into W,
+and the float64 weight norm of the stored chunk. Per refresh, for the projections of the
+benchmark's layers (grouped by shape, as the optimizer refreshes them): the Box-Muller
+Gaussians and their CholeskyQR into BF16 P.
+
+Times are the CPU time of the calling thread with one torch thread, medians over interleaved
+repetitions.
+
+    python benchmarks/cpu_loop_costs.py [--scale 4] [--layers 2] [--rank 64] [--reps 31]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "src"))
+
+from benchmarks.common import write_results  # noqa: E402
+from benchmarks.optimizer_step_cpu import layer_shapes  # noqa: E402
+from rgc.ops import reference  # noqa: E402
+from rgc.updates import CHUNK_ELEMENTS  # noqa: E402
+
+
+def build(shapes, rank: int) -> dict:
+    """name -> (work, unit count, unit): each work function runs the piece once."""
+    n = CHUNK_ELEMENTS
+    keys = torch.tensor([1, 2, 3], dtype=torch.int32)
+    small, words = torch.empty(64, dtype=torch.int32), torch.empty(n, dtype=torch.int32)
+    hash_loop = reference._compiled(reference._hash_words)
+    update_loop = reference._compiled(reference._update_words)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, generator=gen).to(torch.bfloat16)
+    h0 = torch.randn(n, generator=gen) * 1e-3
+    h, one = h0.clone(), torch.ones(())
+    buffer = torch.empty(n // 2, dtype=torch.float64)
+    four = torch.randn(4, generator=gen)
+
+    def update():
+        h.copy_(h0)  # the pass consumes its chunk of H
+        update_loop(w, h, one, keys)
+
+    def copy_only():
+        h.copy_(h0)
+
+    groups: dict[int, int] = {}
+    for _, _, k in shapes:
+        groups[k] = groups.get(k, 0) + 1
+    outs = {k: [torch.empty(k, rank, dtype=torch.bfloat16) for _ in range(count)]
+            for k, count in groups.items()}
+    gaussians = sum(count * k * rank for k, count in groups.items())
+    g = {k: reference._gaussians(k, rank, list(range(count)), torch.device("cpu"))[:, :, :rank]
+         for k, count in groups.items()}
+
+    def make_gaussians():
+        for k, count in groups.items():
+            reference._gaussians(k, rank, list(range(count)), torch.device("cpu"))
+
+    def orthonormalize():
+        for k in groups:
+            reference._orthonormal_into(outs[k], g[k], (k / rank) ** 0.5, False)
+
+    def calls(fn, count=CALLS):
+        def work():
+            for _ in range(count):
+                fn()
+        return work
+
+    return {
+        "compiled loop, one call (64 elements)": (calls(lambda: hash_loop(small, keys)),
+                                                  CALLS, "us"),
+        "eager torch op, one call (torch.dot, 4 elements)": (
+            calls(lambda: torch.dot(four, four)), CALLS, "us"),
+        "counter hash alone (compiled), per element": (lambda: hash_loop(words, keys), n,
+                                                       "ns"),
+        "update pass (compiled), per element": (update, n, "ns"),
+        "  its copy of H (subtracted above)": (copy_only, n, "ns"),
+        "patterns narrowed into W, per element": (
+            lambda: w.view(torch.int16).copy_(words), n, "ns"),
+        "weight norm (square_sum, float64), per element": (
+            lambda: reference.square_sum(w.view(-1, 512), buffer), n, "ns"),
+        "Box-Muller Gaussians (compiled), per refresh": (make_gaussians, 1, "ms"),
+        "  per Gaussian": (make_gaussians, gaussians, "ns"),
+        "CholeskyQR into BF16 P, per refresh": (orthonormalize, 1, "ms"),
+    }
+
+
+SCALE = {"us": 1e6, "ns": 1e9, "ms": 1e3}
+#: Calls timed together where one call's cost is measured.
+CALLS = 100
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scale", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=31)
+    ap.add_argument("--out", type=Path, default=None, help="results directory")
+    args = ap.parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            pieces = build(layer_shapes(args.scale) * args.layers, args.rank)
+            for work, _, _ in pieces.values():  # compile and warm up outside the timing
+                work(), work()
+            times: dict[str, list[float]] = {name: [] for name in pieces}
+            for _ in range(args.reps):
+                for name, (work, _, _) in pieces.items():
+                    t = time.thread_time()
+                    work()
+                    times[name].append(time.thread_time() - t)
+    finally:
+        torch.set_num_threads(threads)
+    copy = statistics.median(times["  its copy of H (subtracted above)"])
+    rows = []
+    for name, (_, count, unit) in pieces.items():
+        seconds = statistics.median(times[name])
+        if name.startswith("update pass"):
+            seconds -= copy
+        rows.append({"piece": name, "time": round(seconds / count * SCALE[unit], 3),
+                     "unit": unit})
+    kwargs = {} if args.out is None else {"directory": args.out}
+    write_results("cpu_loop_costs", rows, title="Costs of the CPU step's pieces",
+                  notes=f"{args.layers} Qwen3-1.7B decoder layers' projections scaled by "
+                  f"1/{args.scale}, rank {args.rank}; chunks of {CHUNK_ELEMENTS} elements in "
+                  f"cache; CPU time of one thread, median of {args.reps} interleaved "
+                  "repetitions. The step of optimizer_step_cpu.py pays the per-call cost "
+                  "once per chunk and loop, and reads W from memory.", **kwargs)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
