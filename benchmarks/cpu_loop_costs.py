@@ -10,20 +10,28 @@ and the float64 weight norm of the stored chunk. Per refresh, for the projection
 benchmark's layers (grouped by shape, as the optimizer refreshes them): the Box-Muller
 Gaussians and their CholeskyQR into BF16 P.
 
+``--previous DIR`` adds the same pieces of the previous version (DIR a checkout of 7982e6c,
+as for ``optimizer_step_cpu.py --previous``), whose loops were C compiled at run time and called
+through ctypes: one call, its rounding loop without and with its float64 norm lanes, and its
+Gaussians (it rounded FP32 values, so its loop has no multiply-subtract).
+
 Times are the CPU time of the calling thread with one torch thread, medians over interleaved
 repetitions.
 
     python benchmarks/cpu_loop_costs.py [--scale 4] [--layers 2] [--rank 64] [--reps 31]
+        [--previous DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +42,18 @@ from benchmarks.common import write_results  # noqa: E402
 from benchmarks.optimizer_step_cpu import layer_shapes  # noqa: E402
 from rgc.ops import reference  # noqa: E402
 from rgc.updates import CHUNK_ELEMENTS  # noqa: E402
+
+#: Calls timed together where one call's cost is measured.
+CALLS = 100
+SCALE = {"us": 1e6, "ns": 1e9, "ms": 1e3}
+
+
+def calls(fn):
+    """``fn`` called :data:`CALLS` times in a row."""
+    def work():
+        for _ in range(CALLS):
+            fn()
+    return work
 
 
 def build(shapes, rank: int) -> dict:
@@ -74,12 +94,6 @@ def build(shapes, rank: int) -> dict:
         for k in groups:
             reference._orthonormal_into(outs[k], g[k], (k / rank) ** 0.5, False)
 
-    def calls(fn, count=CALLS):
-        def work():
-            for _ in range(count):
-                fn()
-        return work
-
     return {
         "compiled loop, one call (64 elements)": (calls(lambda: hash_loop(small, keys)),
                                                   CALLS, "us"),
@@ -99,9 +113,45 @@ def build(shapes, rank: int) -> dict:
     }
 
 
-SCALE = {"us": 1e6, "ns": 1e9, "ms": 1e3}
-#: Calls timed together where one call's cost is measured.
-CALLS = 100
+def build_previous(checkout: Path, shapes, rank: int) -> dict:
+    """The previous version's C loops on the same data (its ``_native`` module, loaded alone:
+    it imports nothing of rgc)."""
+    spec = importlib.util.spec_from_file_location(
+        "previous_native", checkout / "src" / "rgc" / "_native.py")
+    native = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(native)
+    lib = native.library()
+    if lib is None:
+        raise RuntimeError(f"the C loops of {checkout} did not compile")
+    n = CHUNK_ELEMENTS
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    out, small = torch.empty(n, dtype=torch.bfloat16), torch.empty(64, dtype=torch.int32)
+    lanes = np.zeros(native.LANES)
+    ks = sorted({k for _, _, k in shapes})
+    counts = {k: sum(1 for _, _, kk in shapes if kk == k) for k in ks}
+    half = (rank + 1) // 2
+    g = {k: torch.empty(k, 2 * half) for k in ks}
+    gaussians = sum(count * k * rank for k, count in counts.items())
+
+    def round_chunk(with_lanes: bool):
+        return lambda: lib.rgc_round_bf16(x.data_ptr(), out.data_ptr(), n, 1, 2, 3, 3, n,
+                                          lanes.ctypes.data if with_lanes else None)
+
+    def make_gaussians():
+        for k, count in counts.items():
+            for seed in range(count):
+                lib.rgc_gaussian(g[k].data_ptr(), k, half, 2 * half, seed, seed + 1)
+
+    return {
+        "previous: C loop, one call (64 elements)": (
+            calls(lambda: lib.rgc_hash_words(small.data_ptr(), 64, 1, 2, 3, 3, 64)), CALLS,
+            "us"),
+        "previous: C rounding loop, per element": (round_chunk(False), n, "ns"),
+        "previous: C rounding loop with its float64 norm, per element": (round_chunk(True), n,
+                                                                         "ns"),
+        "previous: C Gaussians, per refresh": (make_gaussians, 1, "ms"),
+        "previous:   per Gaussian": (make_gaussians, gaussians, "ns"),
+    }
 
 
 def main(argv=None) -> list[dict]:
@@ -111,12 +161,17 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--reps", type=int, default=31)
     ap.add_argument("--out", type=Path, default=None, help="results directory")
+    ap.add_argument("--previous", type=Path, default=None,
+                    help="a checkout of the previous version, its C loops measured beside")
     args = ap.parse_args(argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.no_grad():
-            pieces = build(layer_shapes(args.scale) * args.layers, args.rank)
+            shapes = layer_shapes(args.scale) * args.layers
+            pieces = build(shapes, args.rank)
+            if args.previous is not None:
+                pieces.update(build_previous(args.previous, shapes, args.rank))
             for work, _, _ in pieces.values():  # compile and warm up outside the timing
                 work(), work()
             times: dict[str, list[float]] = {name: [] for name in pieces}
