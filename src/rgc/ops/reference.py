@@ -677,6 +677,13 @@ def square_sum(x: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Ten
         buffer = torch.empty(min(rows.numel(), SQUARE_SUM_BLOCK), dtype=torch.float64,
                              device=x.device)
     size = min(buffer.numel(), SQUARE_SUM_BLOCK)
+    if rows.is_contiguous():  # one run of elements: blocks of it, whatever the rows
+        flat = rows.view(-1)
+        for start in range(0, flat.numel(), size):
+            part = flat[start:start + size]
+            block = buffer[:part.numel()].copy_(part)
+            total += torch.dot(block, block)
+        return total
     if n > size:  # rows longer than a block: a block of one row at a time
         for row in rows:
             for start in range(0, n, size):
