@@ -310,16 +310,49 @@ def test_allocator_peak_and_held_match_the_estimate(method):
     from benchmarks.peers import measure_memory
 
     rank = 8 if method in ("galore", "apollo") else None
+    scratch = rgc.compute.bf16_matmul_scratch()  # this CPU's, before the profiler starts
     with torch._dynamo.config.patch(cache_size_limit=64):  # torchao compiles its step per shape
         got = measure_memory(method, rank, SMALL)
     est = estimate_memory(qwen3_config(SMALL).to_dict(), method=method, rank=rank,
-                          targets=TARGETS, batch=SMALL["batch"], seq_len=SMALL["seq_len"])
+                          targets=TARGETS, batch=SMALL["batch"], seq_len=SMALL["seq_len"],
+                          bf16_matmul_scratch=scratch)
     transient = 0 if method == "adamw" else est.gradients  # freed by zero_grad
     held = est.weights + est.state - transient
     # held also has the token ids (2 x 20 int64) and the optimizers' small bookkeeping tensors
     assert 0 <= got["held_bytes"] - held <= 1024, (got["held_bytes"], held)
     assert abs(est.total - got["peak_bytes"]) <= 0.03 * got["peak_bytes"], (
         est.at_peak, got["peak_bytes"])
+
+
+def test_bf16_matmul_scratch_moves_backward_start_into_the_output_layer():
+    """The output layer's FP32 buffer, by hand: its weight gradient's for dense AdamW (the
+    moment then exceeds the loss's: the activations less the BF16 logits, the BF16 gradient
+    and its FP32 buffer), its input gradient's for rgc (smaller than the loss's transient)."""
+    from benchmarks.memory import qwen3_config
+
+    cfg = qwen3_config(SMALL).to_dict()
+    vocab, hidden, n = SMALL["vocab_size"], SMALL["hidden_size"], SMALL["batch"] * SMALL["seq_len"]
+    common = dict(batch=SMALL["batch"], seq_len=SMALL["seq_len"])
+    plain = estimate_memory(cfg, method="adamw", **common)
+    est = estimate_memory(cfg, method="adamw", bf16_matmul_scratch=True, **common)
+    assert est.matmul_scratch == 4 * vocab * hidden and plain.matmul_scratch == 0
+    assert est.phase == "backward start"
+    in_head = est.activations - 2 * n * vocab + 2 * vocab * hidden + 4 * vocab * hidden
+    assert est.total == est.weights + est.master + est.gradients + est.optimizer_state + in_head
+    ours = estimate_memory(cfg, method="rgc", rank=8, targets=SEVEN, **common)
+    scratched = estimate_memory(cfg, method="rgc", rank=8, targets=SEVEN,
+                                bf16_matmul_scratch=True, **common)
+    assert scratched.matmul_scratch == 4 * n * hidden and scratched.total == ours.total
+
+
+def test_bf16_matmul_scratch_is_measured_outside_a_profiler():
+    from torch.profiler import ProfilerActivity, profile
+
+    rgc.compute.bf16_matmul_scratch.cache_clear()
+    with profile(activities=[ProfilerActivity.CPU]), pytest.raises(RuntimeError,
+                                                                  match="before starting"):
+        rgc.compute.bf16_matmul_scratch()
+    assert rgc.compute.bf16_matmul_scratch() in (True, False)
 
 
 # -- mixture-of-experts configs -------------------------------------------------------------
@@ -552,8 +585,10 @@ def test_moe_allocator_peak_and_held_match_the_estimate(family, method):
     pytest.importorskip("transformers")
     small = {k: v for k, v in SMALL_MOE.items()
              if family == "qwen3_moe" or k != "norm_topk_prob"}
+    scratch = rgc.compute.bf16_matmul_scratch()  # this CPU's, before the profiler starts
     held, peak, config = _allocator_step(family, method, None, 2, 20, **small)
-    est = estimate_memory(config, method=method, batch=2, seq_len=20)
+    est = estimate_memory(config, method=method, batch=2, seq_len=20,
+                          bf16_matmul_scratch=scratch)
     transient = 0 if method == "adamw" else est.gradients  # freed by zero_grad
     # held also has the token ids (2 x 20 int64) and AdamW's step counts
     assert 0 <= held - (est.weights + est.state - transient) <= 1024
@@ -568,11 +603,12 @@ def test_moe_expert_backward_peak_within_three_percent(family, method):
     hook adds it into the FP32 buffer on the CPU): within 3% of the allocator's peak."""
     pytest.importorskip("transformers")
     rank = 8 if method == "lora" else None
+    scratch = rgc.compute.bf16_matmul_scratch()  # this CPU's, before the profiler starts
     held, peak, config = _allocator_step(family, method, rank, 2, 20, hidden=64, experts=8,
                                          expert_inter=64, layers=3, vocab=64)
     targets = ATTENTION + STACKS if method == "lora" else None
     est = estimate_memory(config, method=method, rank=rank, targets=targets, batch=2,
-                          seq_len=20)
+                          seq_len=20, bf16_matmul_scratch=scratch)
     assert est.phase == "expert backward"
     assert abs(est.total - peak) <= 0.03 * peak, (est.at_peak, peak)
 

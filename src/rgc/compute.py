@@ -129,6 +129,32 @@ def measure_matmul_times(dtype: torch.dtype = torch.bfloat16, repeats: int = 5
     return low, upcast
 
 
+@functools.cache
+def bf16_matmul_scratch() -> bool:
+    """Whether a BF16 matmul on this CPU holds an FP32 copy of its output while it runs.
+
+    oneDNN does on x86 CPUs with AVX-512 but without BF16 instructions (AVX512_BF16, AMX):
+    it accumulates into an FP32 buffer of the output's size, then rounds it into the BF16
+    result. With BF16 instructions, or limited to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``), it
+    does not. ``rgc.estimate_memory(..., bf16_matmul_scratch=True)`` adds the largest such
+    buffer. Measured once per process: the allocator events of one 64 x 64 product under
+    torch's profiler, which must not be running already (the first call raises then).
+    """
+    from torch.autograd.profiler import _is_profiler_enabled
+    from torch.profiler import ProfilerActivity, profile
+
+    if _is_profiler_enabled:
+        raise RuntimeError("rgc.compute.bf16_matmul_scratch() measures under torch's profiler: "
+                           "call it once before starting one (the answer is cached)")
+    a = torch.ones(64, 64, dtype=torch.bfloat16)
+    torch.mm(a, a)  # oneDNN's first call sets up its kernel outside the measurement
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.mm(a, a)
+    allocated = sum(e.nbytes() for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.nbytes() > 0)
+    return allocated > a.numel() * a.element_size()
+
+
 def choose_compute_mode(device="cpu", weight_dtype: torch.dtype = torch.bfloat16,
                         override=None) -> ComputeMode:
     """The compute mode for weights of ``weight_dtype`` on ``device`` (see the module doc).

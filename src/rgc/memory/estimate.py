@@ -182,6 +182,8 @@ class MemoryEstimate:
         temporaries: the transient at the peak moment (loss gradients, step temporaries).
         compute_copies: with ``compute_dtype=torch.float32`` (:mod:`rgc.compute`), the largest
             transient of one upcast matmul, included in ``temporaries`` where it applies.
+        matmul_scratch: with ``bf16_matmul_scratch=True``, the FP32 output buffer of the
+            output layer's first backward matmul (:func:`matmul_scratch_bytes`).
 
     ``total`` is the predicted peak; ``at_peak`` splits it into what is live at that moment
     (its values add up to ``total``); ``phase`` names the moment ('backward start',
@@ -203,6 +205,7 @@ class MemoryEstimate:
     activations: int = 0
     temporaries: int = 0
     compute_copies: int = 0
+    matmul_scratch: int = 0
     total: int = 0
     phase: str = ""
     at_peak: dict = field(default_factory=dict)
@@ -641,6 +644,17 @@ def compute_copy_bytes(linears: Iterable[LinearShape], n_tokens: int = 0) -> int
                 if s.experts == 1), default=0)
 
 
+def matmul_scratch_bytes(head: LinearShape, n_tokens: int, weight_gradient: bool) -> int:
+    """FP32 output buffer, in bytes, of the output layer's first backward matmul on a CPU whose
+    BF16 matmuls accumulate into one (:func:`rgc.compute.bf16_matmul_scratch`).
+
+    ``head``: the output layer (d x k: vocabulary x hidden). Its weight gradient (d x k) where
+    the method trains it (``weight_gradient``: dense AdamW and its variants), else its input
+    gradient (n x k).
+    """
+    return 4 * (head.d * head.k if weight_gradient else n_tokens * head.k)
+
+
 def _with_compute_copies(phases: dict, copies: int) -> dict:
     """Add ``copies`` to the transient of the phases in which the model's matmuls run.
 
@@ -881,7 +895,7 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
                     seq_len: int | None = None, dtype: torch.dtype = torch.bfloat16,
                     chunk_rows: int | None = None, implementation: str = "torch",
                     compute_dtype: torch.dtype | None = None,
-                    fsdp: int = 1) -> MemoryEstimate:
+                    fsdp: int = 1, bf16_matmul_scratch: bool = False) -> MemoryEstimate:
     """Predict the memory of one training step of ``method`` on a model.
 
     Args:
@@ -924,6 +938,16 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
             starts and two later (:func:`_fsdp_gathered`). Not for 'galore',
             'apollo' and 'apollo-mini', whose optimizers do not run on FSDP2's sharded
             parameters.
+        bf16_matmul_scratch: the model runs on a CPU whose BF16 matmuls accumulate into an
+            FP32 buffer of their output's size while they run
+            (:func:`rgc.compute.bf16_matmul_scratch` tells for this machine: x86 with AVX-512
+            but no BF16 instructions). With activations (``batch``/``seq_len``), backward
+            start then peaks in the output layer's first matmul rather than in the loss: the
+            activations less the BF16 logits (freed by then), that matmul's output and its
+            FP32 buffer (``matmul_scratch``, :func:`matmul_scratch_bytes`); the other matmuls
+            meet smaller transients (measured with the allocator's events,
+            ``tests/test_memory_estimate.py``). Not with ``compute_dtype=torch.float32``,
+            whose matmuls are FP32.
 
     Assumptions, per method (bytes per element in parentheses):
 
@@ -1021,15 +1045,26 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
     if plan.backward_temp:
         # a bound: the last layer's own activations are partly freed by then
         phases["expert backward"] = (0, plan.backward_temp + gathered, acts - head)
-    copies = 0
+    copies = scratch = 0
+    head_layer = next((s for s in spec.linears if s.name == "lm_head"), None)
     if compute_dtype is not None and spec.weight_itemsize < FP32:
         copies = compute_copy_bytes(spec.linears, (batch or 0) * (seq_len or 0))
         phases = _with_compute_copies(phases, copies)
+    elif (bf16_matmul_scratch and spec.weight_itemsize < FP32 and batch is not None
+          and head_layer is not None):
+        n, wsize = batch * seq_len, spec.weight_itemsize
+        dense = plan.activations == "dense"  # trains every weight, the output layer's too
+        scratch = matmul_scratch_bytes(head_layer, n, dense)
+        out = (head_layer.d if dense else n) * head_layer.k * wsize
+        grads, temp, acts_live = phases["backward start"]
+        in_head = gathered_at_start + out + scratch - n * head_layer.d * wsize
+        phases["backward start"] = (grads, max(temp, in_head), acts_live)
     phase, (grads_live, temp, acts_live) = max(phases.items(), key=lambda kv: sum(kv[1]))
     at_peak = {k: 0 if (k in plan.per_step and not grads_live) else v
                for k, v in est.items() if k != "activations"}
     at_peak["activations"] = acts_live
     at_peak["temporaries"] = temp
     return MemoryEstimate(method=method, rank=rank if ranked else None, temporaries=temp,
-                          compute_copies=copies, total=sum(at_peak.values()), phase=phase,
+                          compute_copies=copies, matmul_scratch=scratch,
+                          total=sum(at_peak.values()), phase=phase,
                           at_peak=at_peak, **est)
