@@ -136,8 +136,8 @@ def bf16_matmul_scratch() -> bool:
     oneDNN does on x86 CPUs with AVX-512 but without BF16 instructions (AVX512_BF16, AMX):
     it accumulates into an FP32 buffer of the output's size, then rounds it into the BF16
     result. With BF16 instructions, or limited to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``), it
-    does not. ``rgc.estimate_memory(..., bf16_matmul_scratch=True)`` adds the largest such
-    buffer. Measured once per process: the allocator events of one 64 x 64 product under
+    does not. ``rgc.estimate_memory(..., bf16_matmul_scratch=True)`` models it (see
+    docs/memory.md). Measured once per process: the allocator events of one 64 x 64 product under
     torch's profiler, which must not be running already (the first call raises then).
     """
     from torch.autograd.profiler import _is_profiler_enabled

@@ -1051,7 +1051,7 @@ def estimate_memory(model_or_config, *, method: str, rank: int | None = None,
         copies = compute_copy_bytes(spec.linears, (batch or 0) * (seq_len or 0))
         phases = _with_compute_copies(phases, copies)
     elif (bf16_matmul_scratch and spec.weight_itemsize < FP32 and batch is not None
-          and head_layer is not None):
+          and head_layer is not None):  # backward starts in the output layer's matmul
         n, wsize = batch * seq_len, spec.weight_itemsize
         dense = plan.activations == "dense"  # trains every weight, the output layer's too
         scratch = matmul_scratch_bytes(head_layer, n, dense)

@@ -664,10 +664,10 @@ def square_sum(x: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Ten
     kernels choose. Rounded once to FP32, the result is the exact sum's, except where the
     exact sum lies within the float64 error (below ``n 2**-53`` of it for n elements) of an
     FP32 rounding boundary: no machine, vector width, compiler or tile order moves it
-    otherwise (the Triton kernel sums in float64 too). ``x`` is converted
-    :data:`SQUARE_SUM_BLOCK` elements (whole rows where they fit) at a time into ``buffer``
-    (float64, at least one element; default a new one of at most that size), so no copy of
-    ``x`` is ever made."""
+    otherwise (the Triton kernel sums in float64 too). ``x`` is converted at most
+    :data:`SQUARE_SUM_BLOCK` elements at a time (a contiguous ``x`` as one run of elements,
+    another one whole rows where they fit) into ``buffer`` (float64, at least one element;
+    default a new one of at most that size), so no copy of ``x`` is ever made."""
     rows = x.detach()
     n = rows.shape[1]
     total = torch.zeros((), dtype=torch.float64, device=x.device)
