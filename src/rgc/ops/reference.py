@@ -669,34 +669,32 @@ def square_sum(x: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Ten
     another one whole rows where they fit) into ``buffer`` (float64, at least one element;
     default a new one of at most that size), so no copy of ``x`` is ever made."""
     rows = x.detach()
-    n = rows.shape[1]
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     if rows.numel() == 0:
         return total
     if buffer is None:
         buffer = torch.empty(min(rows.numel(), SQUARE_SUM_BLOCK), dtype=torch.float64,
                              device=x.device)
-    size = min(buffer.numel(), SQUARE_SUM_BLOCK)
-    if rows.is_contiguous():  # one run of elements: blocks of it, whatever the rows
-        flat = rows.view(-1)
-        for start in range(0, flat.numel(), size):
-            part = flat[start:start + size]
-            block = buffer[:part.numel()].copy_(part)
-            total += torch.dot(block, block)
-        return total
-    if n > size:  # rows longer than a block: a block of one row at a time
-        for row in rows:
-            for start in range(0, n, size):
-                part = row[start:start + size]
-                block = buffer[:part.numel()].copy_(part)
-                total += torch.dot(block, block)
-        return total
-    step = size // n
-    for start in range(0, rows.shape[0], step):
-        part = rows[start:start + step]
-        block = buffer[:part.numel()].view(part.shape).copy_(part).view(-1)
+    for part in _square_sum_blocks(rows, min(buffer.numel(), SQUARE_SUM_BLOCK)):
+        block = buffer[:part.numel()]
+        (block if part.dim() == 1 else block.view(part.shape)).copy_(part)
         total += torch.dot(block, block)
     return total
+
+
+def _square_sum_blocks(rows: torch.Tensor, size: int):
+    """The pieces of the matrix ``rows`` (``[d, n]``) that :func:`square_sum` converts, at
+    most ``size`` elements each: runs of a contiguous matrix, whatever its rows; otherwise
+    pieces of one row where rows are longer than ``size``, else blocks of whole rows."""
+    n = rows.shape[1]
+    if rows.is_contiguous():
+        flat = rows.view(-1)
+        yield from (flat[start:start + size] for start in range(0, flat.numel(), size))
+    elif n > size:
+        yield from (row[start:start + size] for row in rows for start in range(0, n, size))
+    else:
+        step = size // n
+        yield from (rows[start:start + step] for start in range(0, rows.shape[0], step))
 
 
 def _write_rows(rows: torch.Tensor, h: torch.Tensor, factor: torch.Tensor | None, *,
