@@ -25,6 +25,7 @@ repetitions.
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib.util
 import statistics
 import sys
@@ -56,8 +57,10 @@ def calls(fn):
     return work
 
 
-def build(shapes, rank: int) -> dict:
-    """name -> (work, unit count, unit): each work function runs the piece once."""
+def build(counts: dict[int, int], rank: int) -> dict:
+    """name -> (work, unit count, unit[, (name, unit count, unit) of a second row from the same
+    timing]): each work function runs the piece once. ``counts``: projections per in_features
+    k, grouped as the optimizer refreshes them."""
     n = CHUNK_ELEMENTS
     keys = torch.tensor([1, 2, 3], dtype=torch.int32)
     small, words = torch.empty(64, dtype=torch.int32), torch.empty(n, dtype=torch.int32)
@@ -77,21 +80,17 @@ def build(shapes, rank: int) -> dict:
     def copy_only():
         h.copy_(h0)
 
-    groups: dict[int, int] = {}
-    for _, _, k in shapes:
-        groups[k] = groups.get(k, 0) + 1
     outs = {k: [torch.empty(k, rank, dtype=torch.bfloat16) for _ in range(count)]
-            for k, count in groups.items()}
-    gaussians = sum(count * k * rank for k, count in groups.items())
+            for k, count in counts.items()}
     g = {k: reference._gaussians(k, rank, list(range(count)), torch.device("cpu"))[:, :, :rank]
-         for k, count in groups.items()}
+         for k, count in counts.items()}
 
     def make_gaussians():
-        for k, count in groups.items():
+        for k, count in counts.items():
             reference._gaussians(k, rank, list(range(count)), torch.device("cpu"))
 
     def orthonormalize():
-        for k in groups:
+        for k in counts:
             reference._orthonormal_into(outs[k], g[k], (k / rank) ** 0.5, False)
 
     return {
@@ -107,13 +106,18 @@ def build(shapes, rank: int) -> dict:
             lambda: w.view(torch.int16).copy_(words), n, "ns"),
         "weight norm (square_sum, float64), per element": (
             lambda: reference.square_sum(w.view(-1, 512), buffer), n, "ns"),
-        "Box-Muller Gaussians (compiled), per refresh": (make_gaussians, 1, "ms"),
-        "  per Gaussian": (make_gaussians, gaussians, "ns"),
+        "Box-Muller Gaussians (compiled), per refresh": (make_gaussians, 1, "ms",
+                                                         per_gaussian(counts, rank)),
         "CholeskyQR into BF16 P, per refresh": (orthonormalize, 1, "ms"),
     }
 
 
-def build_previous(checkout: Path, shapes, rank: int) -> dict:
+def per_gaussian(counts: dict[int, int], rank: int) -> tuple[str, int, str]:
+    """The second row of a refresh's Gaussians: per Gaussian (every k x r projection's)."""
+    return ("  per Gaussian", sum(count * k * rank for k, count in counts.items()), "ns")
+
+
+def build_previous(checkout: Path, counts: dict[int, int], rank: int) -> dict:
     """The previous version's C loops on the same data (its ``_native`` module, loaded alone:
     it imports nothing of rgc)."""
     spec = importlib.util.spec_from_file_location(
@@ -127,11 +131,8 @@ def build_previous(checkout: Path, shapes, rank: int) -> dict:
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     out, small = torch.empty(n, dtype=torch.bfloat16), torch.empty(64, dtype=torch.int32)
     lanes = np.zeros(native.LANES)
-    ks = sorted({k for _, _, k in shapes})
-    counts = {k: sum(1 for _, _, kk in shapes if kk == k) for k in ks}
     half = (rank + 1) // 2
-    g = {k: torch.empty(k, 2 * half) for k in ks}
-    gaussians = sum(count * k * rank for k, count in counts.items())
+    g = {k: torch.empty(k, 2 * half) for k in counts}
 
     def round_chunk(with_lanes: bool):
         return lambda: lib.rgc_round_bf16(x.data_ptr(), out.data_ptr(), n, 1, 2, 3, 3, n,
@@ -149,8 +150,8 @@ def build_previous(checkout: Path, shapes, rank: int) -> dict:
         "previous: C rounding loop, per element": (round_chunk(False), n, "ns"),
         "previous: C rounding loop with its float64 norm, per element": (round_chunk(True), n,
                                                                          "ns"),
-        "previous: C Gaussians, per refresh": (make_gaussians, 1, "ms"),
-        "previous:   per Gaussian": (make_gaussians, gaussians, "ns"),
+        "previous: C Gaussians, per refresh": (make_gaussians, 1, "ms",
+                                               per_gaussian(counts, rank)),
     }
 
 
@@ -168,15 +169,15 @@ def main(argv=None) -> list[dict]:
     torch.set_num_threads(1)
     try:
         with torch.no_grad():
-            shapes = layer_shapes(args.scale) * args.layers
-            pieces = build(shapes, args.rank)
+            counts = collections.Counter(k for _, _, k in layer_shapes(args.scale) * args.layers)
+            pieces = build(counts, args.rank)
             if args.previous is not None:
-                pieces.update(build_previous(args.previous, shapes, args.rank))
-            for work, _, _ in pieces.values():  # compile and warm up outside the timing
+                pieces.update(build_previous(args.previous, counts, args.rank))
+            for work, *_ in pieces.values():  # compile and warm up outside the timing
                 work(), work()
             times: dict[str, list[float]] = {name: [] for name in pieces}
             for _ in range(args.reps):
-                for name, (work, _, _) in pieces.items():
+                for name, (work, *_) in pieces.items():
                     t = time.thread_time()
                     work()
                     times[name].append(time.thread_time() - t)
@@ -184,12 +185,13 @@ def main(argv=None) -> list[dict]:
         torch.set_num_threads(threads)
     copy = statistics.median(times["  its copy of H (subtracted above)"])
     rows = []
-    for name, (_, count, unit) in pieces.items():
+    for name, (_, count, unit, *second) in pieces.items():
         seconds = statistics.median(times[name])
         if name.startswith("update pass"):
             seconds -= copy
-        rows.append({"piece": name, "time": round(seconds / count * SCALE[unit], 3),
-                     "unit": unit})
+        for row_name, units, scale in [(name, count, unit), *second]:
+            rows.append({"piece": row_name, "time": round(seconds / units * SCALE[scale], 3),
+                         "unit": scale})
     kwargs = {} if args.out is None else {"directory": args.out}
     write_results("cpu_loop_costs", rows, title="Costs of the CPU step's pieces",
                   notes=f"{args.layers} Qwen3-1.7B decoder layers' projections scaled by "

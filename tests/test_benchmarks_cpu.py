@@ -19,6 +19,22 @@ def test_optimizer_step_benchmark_runs(tmp_path):
     assert "## Environment" in (tmp_path / "optimizer_step_cpu.md").read_text()
 
 
+def test_cpu_loop_costs_benchmark_runs(tmp_path):
+    from benchmarks import cpu_loop_costs
+
+    rows = cpu_loop_costs.main(["--scale", "64", "--layers", "1", "--rank", "4", "--reps", "1",
+                                "--out", str(tmp_path)])
+    times = {row["piece"]: row["time"] for row in rows}
+    assert all(times[name] > 0 for name in times if not name.startswith("update pass"))
+    # the per-Gaussian row is the refresh's timing over its Gaussians: 7 projections of k x 4
+    gaussians = 4 * sum(k for _, _, k in cpu_loop_costs.layer_shapes(64))
+    refresh_ms = times["Box-Muller Gaussians (compiled), per refresh"]
+    # both rows are rounded to 3 decimals (ms and ns)
+    assert abs(times["  per Gaussian"] - refresh_ms * 1e6 / gaussians) <= (
+        0.0005 * 1e6 / gaussians + 0.0005)
+    assert "## Environment" in (tmp_path / "cpu_loop_costs.md").read_text()
+
+
 def test_step_model_counts():
     # The model's floor is 4 bytes per projection weight, counted here from the config by
     # hand; every phase costs bytes and launches; the update moves at least the floor.
