@@ -133,7 +133,7 @@ def build_rebuild(shapes, rank: int, *, write: bool = False, seed: int = 0):
                     torch.addmm(rows.to(torch.float32), c_rows, p_t, alpha=-1e-3)
                     continue
                 part = torch.mm(c_rows, p_t, out=h[:rows.shape[0]])
-                _write_rows(rows, part, None, seed=seed + n, offset=start * k, row_length=k,
+                _write_rows(rows, part, None, None, seed=seed + n, offset=start * k, row_length=k,
                             stochastic_rounding=True)
         return clock() - t
     return step

@@ -3,6 +3,7 @@ float64 oracles."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -108,6 +109,32 @@ def test_sq_norm_out_is_deterministic_and_equals_sum_squares_of_the_result(dtype
     assert torch.equal(_bits(outs[0]), _bits(sum_squares_reference(results[0], chunk_rows=64)))
     expected = results[0].double().square().sum()
     assert abs(float(outs[0]) / float(expected) - 1) < 1e-5
+
+
+def test_update_pass_returns_the_exact_sum_of_the_squares_it_stores_compiled_or_eager():
+    """The one-pass update loop that also sums the squares of what it stores (the update's
+    ||W||^2) writes the patterns of the loop without it, and its float64 sum, compiled or in
+    eager blocks, rounds to the FP32 value of the exact sum (math.fsum of the stored values)."""
+    from rgc.ops import reference
+
+    g = torch.Generator().manual_seed(3)
+    n = 3 * reference.SQUARE_SUM_BLOCK + 17  # several eager blocks and a tail
+    w = torch.randn(n, generator=g).bfloat16()
+    h = torch.randn(n, generator=g) * 1e-2
+    factor, keys = torch.tensor(0.999), torch.tensor([5, -7, 123], dtype=torch.int32)
+    plain = h.clone()
+    reference._compiled(reference._update_words)(w, plain, factor, keys)
+    stored = (plain.view(torch.int32) << 16).view(torch.float32)  # the BF16 values, as FP32
+    exact = torch.tensor(math.fsum(v * v for v in stored.tolist()), dtype=torch.float64)
+    loops = {"compiled": reference._compiled(reference._update_words_norm,
+                                             reference._update_words_norm_blocked),
+             "eager": reference._update_words_norm_blocked}
+    for name, loop in loops.items():
+        out = h.clone()
+        total = loop(w, out, factor, keys)
+        assert torch.equal(out.view(torch.int32), plain.view(torch.int32)), name
+        assert total.dtype == torch.float64 and total.dim() == 0, name
+        assert float(total.float()) == float(exact.float()), name
 
 
 def _stacks():

@@ -70,19 +70,50 @@ def _round_words(out: torch.Tensor, x_bits: torch.Tensor, keys: torch.Tensor) ->
     out.copy_(torch.where(nan, (x_bits >> 16) | 0x40, rounded))
 
 
-def _update_words(w: torch.Tensor, h: torch.Tensor, factor: torch.Tensor,
-                  keys: torch.Tensor) -> None:
-    """``h <-`` the BF16 patterns (int32, in ``h``'s storage) of ``float32(w) factor - h``
-    rounded as :func:`_round_words` does, with the hash of indices ``keys[0] + i``.
+def _updated_patterns(w: torch.Tensor, h: torch.Tensor, factor: torch.Tensor,
+                      keys: torch.Tensor) -> torch.Tensor:
+    """The BF16 patterns (int32) of ``float32(w) factor - h`` rounded as :func:`_round_words`
+    does, with the hash of indices ``keys[0] + i``.
 
-    w: BF16 ``[n]``; h: FP32 ``[n]``, consumed; factor: 0-dim FP32 (``1 - decay``, or 1,
-    which changes no bit). One multiply and one subtract per element, as the eager
-    ``w.float() * factor - h``: the update of one run of weights in a single pass."""
+    w: BF16 ``[n]``; h: FP32 ``[n]``; factor: 0-dim FP32 (``1 - decay``, or 1, which changes
+    no bit). One multiply and one subtract per element, as the eager ``w.float() * factor -
+    h``: the update of one run of weights in a single pass."""
     bits = (w.to(torch.float32) * factor - h).view(torch.int32)
     n = torch.arange(bits.numel(), dtype=torch.int32, device=bits.device) + keys[0]
     noise = _mix32(_mix32(n ^ keys[1]) ^ keys[2]) & 0xFFFF
     nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    h.view(torch.int32).copy_(torch.where(nan, (bits >> 16) | 0x40, (noise + bits) >> 16))
+    return torch.where(nan, (bits >> 16) | 0x40, (noise + bits) >> 16)
+
+
+def _update_words(w: torch.Tensor, h: torch.Tensor, factor: torch.Tensor,
+                  keys: torch.Tensor) -> None:
+    """``h <-`` :func:`_updated_patterns` (int32, in ``h``'s storage, which it consumes)."""
+    h.view(torch.int32).copy_(_updated_patterns(w, h, factor, keys))
+
+
+def _update_words_norm(w: torch.Tensor, h: torch.Tensor, factor: torch.Tensor,
+                       keys: torch.Tensor) -> torch.Tensor:
+    """:func:`_update_words`, returning the sum of the squares of the stored BF16 values: a
+    0-dim float64 tensor (every square exact; the sum in the loop's order, see
+    :func:`square_sum`)."""
+    patterns = _updated_patterns(w, h, factor, keys)
+    h.view(torch.int32).copy_(patterns)
+    stored = (patterns << 16).view(torch.float32).to(torch.float64)
+    return (stored * stored).sum()
+
+
+def _update_words_norm_blocked(w: torch.Tensor, h: torch.Tensor, factor: torch.Tensor,
+                               keys: torch.Tensor) -> torch.Tensor:
+    """:func:`_update_words_norm` in eager torch, the squares summed
+    :data:`SQUARE_SUM_BLOCK` values at a time (no float64 copy of the run): where the loop is
+    not compiled."""
+    _update_words(w, h, factor, keys)
+    words = h.view(torch.int32)
+    total = torch.zeros((), dtype=torch.float64, device=h.device)
+    for start in range(0, words.numel(), SQUARE_SUM_BLOCK):
+        stored = (words[start:start + SQUARE_SUM_BLOCK] << 16).view(torch.float32).double()
+        total += torch.dot(stored, stored)
+    return total
 
 
 # -- sums in a fixed order -------------------------------------------------------------------
@@ -165,24 +196,34 @@ def pairwise_sums(x: torch.Tensor, *, square: bool = False) -> torch.Tensor:
     return out
 
 
-def _global_state() -> str | tuple:
+class _StateGuard:
     """The global state dynamo guards every graph on (grad mode, autocast, threads, default
-    dtype, deterministic algorithms...), as dynamo records it."""
-    try:
-        return torch._C._dynamo.guards.GlobalStateGuard().__getstate__()
-    except AttributeError:  # older torch: the parts a caller is likeliest to change
+    dtype, deterministic algorithms...), as it is now: ``check()`` says whether it still is
+    (dynamo's own guard, a comparison in C++; on an older torch, the parts a caller is
+    likeliest to change)."""
+
+    def __init__(self):
+        try:
+            self._guard = torch._C._dynamo.guards.GlobalStateGuard()
+        except AttributeError:
+            self._guard, self._state = None, self._read()
+
+    @staticmethod
+    def _read() -> tuple:
         return (torch.is_grad_enabled(), torch.is_autocast_enabled(), torch.get_num_threads(),
                 torch.get_default_dtype())
 
+    def check(self) -> bool:
+        return self._guard.check() if self._guard is not None else self._read() == self._state
+
 
 def _variant(args) -> tuple:
-    """What a compiled loop's graph is specialised on besides sizes: dtypes, ranks, sizes of
-    1, contiguity and inference-mode creation of the tensor arguments, the values of the
-    other arguments (ints and bools, which the graph is traced with), the thread's dispatch
-    keys (an operator's kernel runs below autograd, a direct call does not) and dynamo's
-    global state (a step called with grad mode on after one under ``no_grad`` would
-    otherwise recompile)."""
-    return (_global_state(), torch._C._dispatch_tls_local_include_set().raw_repr(),
+    """What a compiled loop's graph is specialised on besides sizes and the global state
+    (:class:`_StateGuard`): dtypes, ranks, sizes of 1, contiguity and inference-mode creation
+    of the tensor arguments, the values of the other arguments (ints and bools, which the
+    graph is traced with) and the thread's dispatch keys (an operator's kernel runs below
+    autograd, a direct call does not)."""
+    return (torch._C._dispatch_tls_local_include_set().raw_repr(),
             torch._C._dispatch_tls_local_exclude_set().raw_repr(),
             *((a.dtype, a.dim(), tuple(n == 1 for n in a.shape), a.is_contiguous(),
                a.is_inference()) if isinstance(a, torch.Tensor) else (type(a), a)
@@ -235,7 +276,8 @@ def _compiled(fn, eager=None):
     contracts, so both give the same bits (the tests compare them), whatever the user's dynamo
     settings.
 
-    Each :func:`_variant` of the arguments is compiled from a code object of its own, with
+    Each :func:`_variant` of the arguments under each global state is compiled from a code
+    object of its own, with
     sizes symbolic within it, traced under :func:`_isolated_dynamo`: no call recompiles a
     graph, so a user's ``error_on_recompile``, a low ``recompile_limit`` or many shapes never
     show rgc in their dynamo logs; should a call fail anyway, the eager loop takes over with
@@ -248,7 +290,7 @@ def _compiled(fn, eager=None):
     returns ``fn`` unchanged) ``eager`` runs, not ``fn`` on a whole chunk.
     """
     eager = fn if eager is None else eager
-    variants: dict[tuple, object] = {}
+    variants: dict[tuple, list[tuple[_StateGuard, object]]] = {}
     failed = False
 
     def compiled(args):
@@ -258,15 +300,16 @@ def _compiled(fn, eager=None):
         # (two aliasing inputs would take dynamo's slower, and on some versions failing, path).
         detached = {id(a): a.detach() for a in args if isinstance(a, torch.Tensor)}
         args = tuple(detached.get(id(a), a) for a in args)
-        key = _variant(args)
-        if key not in variants:
-            code = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
-                                      fn.__defaults__, fn.__closure__)
-            variants[key] = torch.compile(code, dynamic=True, fullgraph=True,
-                                          options=_inductor_options())
-            with _isolated_dynamo():  # its first call traces it: the settings of its guards
-                return variants[key](*args)
-        return variants[key](*args)
+        states = variants.setdefault(_variant(args), [])
+        for state, loop in states:
+            if state.check():
+                return loop(*args)
+        code = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                                  fn.__defaults__, fn.__closure__)
+        loop = torch.compile(code, dynamic=True, fullgraph=True, options=_inductor_options())
+        states.append((_StateGuard(), loop))
+        with _isolated_dynamo():  # its first call traces it: the settings of its guards
+            return loop(*args)
 
     def run(*args):
         nonlocal failed
@@ -285,8 +328,10 @@ def _compiled(fn, eager=None):
     return run
 
 
-def _int32_loop(fn, device: torch.device):
-    return _compiled(fn) if device.type == "cpu" else fn
+def _int32_loop(fn, device: torch.device, eager=None):
+    """``fn`` compiled on the CPU (:func:`_compiled`, with ``eager`` where it cannot be),
+    ``eager`` (default ``fn``) elsewhere."""
+    return _compiled(fn, eager) if device.type == "cpu" else (eager or fn)
 
 
 def _segments(numel: int, offset: int, words: tuple[int, int]):
@@ -382,9 +427,10 @@ def _rho(w0: torch.Tensor) -> torch.Tensor:
     e = torch.zeros_like(x)  # floor(log2 x), x <= 2^24: a binary search on the bits
     t = x
     for step in (16, 8, 4, 2, 1):
-        above = (t >> step) > 0
+        shifted = t >> step  # one node: every use of t is inlined again by inductor
+        above = shifted > 0
         e = e + above.to(torch.int32) * step
-        t = torch.where(above, t >> step, t)
+        t = torch.where(above, shifted, t)
     # x 2^-e in [1, 2), exact: a product by the exact power 2^(24 - e) 2^-24 (no division)
     f = x.to(torch.float32) * ((1 << (24 - e)).to(torch.float32) * 2.0**-24)
     big = f > _bm("SQRT2")
@@ -697,20 +743,27 @@ def _square_sum_blocks(rows: torch.Tensor, size: int):
         yield from (rows[start:start + step] for start in range(0, rows.shape[0], step))
 
 
-def _write_rows(rows: torch.Tensor, h: torch.Tensor, factor: torch.Tensor | None, *,
-                seed: int, offset: int, row_length: int, stochastic_rounding: bool) -> None:
+def _write_rows(rows: torch.Tensor, h: torch.Tensor, factor: torch.Tensor | None,
+                norm: torch.Tensor | None, *, seed: int, offset: int, row_length: int,
+                stochastic_rounding: bool) -> None:
     """``rows <- rows * factor - h`` in FP32 (``factor=None``: 1), then stored: BF16 rows
     stochastically, row ``i`` element ``j`` with the bits of ``offset + i row_length + j``,
-    others as ``copy_`` rounds. ``h`` (FP32, rows' shape, contiguous) is consumed."""
+    others as ``copy_`` rounds. ``h`` (FP32, rows' shape, contiguous) is consumed. ``norm``
+    (0-dim float64, or ``None``): the sum of the squares of the stored rows is added to it
+    (see :func:`square_sum`), by the update's own loop where it runs in one pass, otherwise
+    converted in ``h``'s storage."""
     if rows.dtype == torch.bfloat16 and stochastic_rounding and rows.is_contiguous() \
             and row_length == rows.shape[1]:  # one pass: its patterns in h, then stored
         flat, words = rows.view(-1), h.view(-1)
         factor = torch.ones((), device=rows.device) if factor is None else factor
-        run = _int32_loop(_update_words, rows.device)
+        run = _int32_loop(_update_words, rows.device) if norm is None else _int32_loop(
+            _update_words_norm, rows.device, _update_words_norm_blocked)
         for start, length, keys in _segments(flat.numel(), offset, seed_words(seed)):
             part = slice(start, start + length)
-            run(flat[part], words[part], factor,
-                torch.tensor(keys, dtype=torch.int32, device=rows.device))
+            squares = run(flat[part], words[part], factor,
+                          torch.tensor(keys, dtype=torch.int32, device=rows.device))
+            if norm is not None:
+                norm += squares
         flat.view(torch.int16).copy_(words.view(torch.int32))  # the low 16 bits: the pattern
         return
     if factor is None:  # in FP32 (type promotion), without an FP32 copy of rows
@@ -719,9 +772,12 @@ def _write_rows(rows: torch.Tensor, h: torch.Tensor, factor: torch.Tensor | None
         new = rows.to(torch.float32).mul_(factor).sub_(h)
     if rows.dtype != torch.bfloat16 or not stochastic_rounding:
         rows.copy_(new)
-        return
-    for i in range(rows.shape[0]):  # a column slice of a wider matrix: its own index per row
-        stochastic_round_(rows[i], new[i], seed, offset + i * row_length)
+    else:
+        for i in range(rows.shape[0]):  # a column slice of a wider matrix: its own index per row
+            stochastic_round_(rows[i], new[i], seed, offset + i * row_length)
+    if norm is not None:  # the rows just stored, converted in h's storage
+        free = h.view(-1)[:h.numel() // 2 * 2].view(torch.float64)
+        norm += square_sum(rows, free if free.numel() else None)
 
 
 @torch.no_grad()
@@ -741,9 +797,10 @@ def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
     factor and P are replaced by zeros (a select), so ``U P^T`` is exactly +0 and, with
     ``decay == 0``, W is stored back bit-identical (signed zeros included) even when U or P
     hold inf/NaN. ``sq_norms`` (``[M, E]`` FP32 or ``None``) is
-    overwritten with ``||stored W||_F^2`` per matrix, the :func:`square_sum` of its chunks as
-    they are stored (converted in the consumed chunk's storage), rounded once to FP32: the
-    value :func:`sum_squares` gives (see :func:`square_sum`).
+    overwritten with ``||stored W||_F^2`` per matrix, the float64 sum of the squares of its
+    chunks as they are stored (in the update's loop, or converted in the consumed chunk's
+    storage), rounded once to FP32: the value :func:`sum_squares` gives (see
+    :func:`square_sum`).
     """
     for m, (w3, u3, p) in enumerate(zip(weights, factors, projections, strict=True)):
         e_count, d, k = w3.shape
@@ -757,12 +814,9 @@ def lowrank_update_(weights: list[torch.Tensor], factors: list[torch.Tensor],
             for start in range(0, d, chunk_rows):
                 rows = w3[e, start:start + chunk_rows]
                 h = torch.where(keep, u3[e, start:start + chunk_rows] * c, 0.0) @ p_t
-                _write_rows(rows, h, factor, seed=seeds[m],
+                _write_rows(rows, h, factor, None if sq_norms is None else norm, seed=seeds[m],
                             offset=offsets[m] + (e * d + start) * row_lengths[m],
                             row_length=row_lengths[m], stochastic_rounding=stochastic_rounding)
-                if sq_norms is not None:  # the rows just stored, converted in h's storage
-                    free = h.view(-1)[:h.numel() // 2 * 2].view(torch.float64)
-                    norm += square_sum(rows, free if free.numel() else None)
                 del h  # before the next chunk's: one chunk of FP32 at a time
             if sq_norms is not None:
                 sq_norms[m, e] = norm.to(torch.float32)
