@@ -3,11 +3,12 @@
 One function per primitive, with the signature of its operator in :mod:`rgc.ops` and the
 formula in its docstring. They run on any device. On the CPU the elementwise loops are
 ``torch.compile``d (:func:`_compiled`): the hash and rounding (integer operations only), the
-Box-Muller Gaussians and the update's multiply-subtract-round pass (the eager float operations
-one by one: inductor neither reassociates nor contracts them), so compiling changes no bit
-(the tests compare the two), and the FP32 reduction in a fixed order of :func:`pairwise_sums`.
-Everything else, the GEMMs, the factorisations and the weight norm (float64, which needs no
-fixed order: :func:`square_sum`), is eager torch.
+Box-Muller Gaussians and the update's multiply-subtract-round pass with the float64 sum of the
+squares it stores (the eager float operations one by one: inductor neither reassociates nor
+contracts them), so compiling changes no bit (the tests compare the two), and the FP32
+reduction in a fixed order of :func:`pairwise_sums`. Everything else, the GEMMs, the
+factorisations and the weight norm read apart from an update (float64, which needs no fixed
+order: :func:`square_sum`), is eager torch.
 
 Stacks: a sketched weight is handled as ``[E, d, k]`` (``E = 1`` for a 2-D weight), its
 sketch ``[E, d, r]`` FP32, its projection ``P`` ``[k, r]``; element ``(e, i, j)`` of stack
@@ -277,11 +278,10 @@ def _compiled(fn, eager=None):
     settings.
 
     Each :func:`_variant` of the arguments under each global state is compiled from a code
-    object of its own, with
-    sizes symbolic within it, traced under :func:`_isolated_dynamo`: no call recompiles a
-    graph, so a user's ``error_on_recompile``, a low ``recompile_limit`` or many shapes never
-    show rgc in their dynamo logs; should a call fail anyway, the eager loop takes over with
-    the same bits.
+    object of its own, with sizes symbolic within it, traced under :func:`_isolated_dynamo`:
+    no call recompiles a graph, so a user's ``error_on_recompile``, a low ``recompile_limit``
+    or many shapes never show rgc in their dynamo logs; should a call fail anyway, the eager
+    loop takes over with the same bits.
 
     Under a dispatch mode (rgc's memory tracker, the tests' counters), which torch.compile
     does not trace, the loop runs with the modes switched off: one opaque computation that
