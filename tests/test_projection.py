@@ -134,6 +134,24 @@ def test_compiled_and_eager_gaussians_are_bit_identical(k, r, seed):
                            compiled.view(torch.int32))
 
 
+@pytest.mark.parametrize("k, r, count", [(1, 1, 1), (1, 2, 3), (7, 3, 1), (64, 16, 1),
+                                         (64, 16, 2)])
+def test_the_pair_loop_is_never_called_with_a_size_of_one(monkeypatch, k, r, count):
+    """Dynamo specialises sizes of 1: a lone seed or a single pair would compile another
+    variant of the Box-Muller loop (a minute on a small CPU) for what the common one does."""
+    shapes = []
+
+    def loop(cos_out, sin_out, keys):
+        shapes.append((*cos_out.shape, *sin_out.shape, *keys.shape))
+        reference._gaussian_pairs_blocked(cos_out, sin_out, keys)
+
+    monkeypatch.setattr(reference, "_gaussian_loop", lambda device: loop)
+    g = projections("gaussian", k, r, list(range(count)), dtype=torch.float32)
+    assert len(shapes) == 1 and 1 not in shapes[0], shapes
+    monkeypatch.undo()
+    assert torch.equal(g, projections("gaussian", k, r, list(range(count)), dtype=torch.float32))
+
+
 def test_advance_projections_moves_each_owner_to_its_next_version():
     layers = [rgc.CompressedLinear(12, 5, rank=3, seed=s) for s in range(3)]
     layers.append(rgc.CompressedLinear(20, 5, rank=3, seed=9, projection="rademacher"))

@@ -419,23 +419,20 @@ def _polynomial(x: torch.Tensor, names: list[str]) -> torch.Tensor:
 def _rho(w0: torch.Tensor) -> torch.Tensor:
     """``sqrt(-2 ln u)`` for ``u = (w0 + 1) 2^-24`` (w0: 24-bit int32).
 
+    ``u = 2^(e - 24) f`` with ``f`` in ``[sqrt(1/2), sqrt(2))`` is read off the bits of the
+    float32 ``w0 + 1`` (exact, as ``w0 + 1 <= 2^24``), and ``f / 2`` is an exponent decrement:
+    integer steps, as the Triton kernel takes them (a binary search on the bits took longer to
+    compile: inductor inlines an elementwise node into each of its uses, so every read of
+    ``w0`` repeats the hash that made it).
+
     The square root is correctly rounded: the float64 one rounded to float32 (53 >= 2 * 24 + 2
     bits). Not torch's float32 one, which is not correctly rounded in eager CPU code (15% of
     values one unit off), so its bits would differ between a compiled and an eager loop."""
-    # u = 2^(e - 24) f with f in [sqrt(1/2), sqrt(2)), by exact integer and power-of-two steps
-    x = w0 + 1
-    e = torch.zeros_like(x)  # floor(log2 x), x <= 2^24: a binary search on the bits
-    t = x
-    for step in (16, 8, 4, 2, 1):
-        shifted = t >> step  # one node: every use of t is inlined again by inductor
-        above = shifted > 0
-        e = e + above.to(torch.int32) * step
-        t = torch.where(above, shifted, t)
-    # x 2^-e in [1, 2), exact: a product by the exact power 2^(24 - e) 2^-24 (no division)
-    f = x.to(torch.float32) * ((1 << (24 - e)).to(torch.float32) * 2.0**-24)
-    big = f > _bm("SQRT2")
-    f = torch.where(big, f * 0.5, f)
-    e = (e + big.to(torch.int32) - 24).to(torch.float32)
+    nb = (w0 + 1).to(torch.float32).view(torch.int32)
+    fb = (nb & 0x7FFFFF) | 0x3F800000  # the mantissa of w0 + 1, exponent 0: f in [1, 2)
+    big = fb > SQRT2_BITS
+    f = torch.where(big, fb - 0x800000, fb).view(torch.float32)
+    e = ((nb >> 23) + (big.to(torch.int32) - 151)).to(torch.float32)  # 151 = 127 + 24
     s = (f - 1.0) / (f + 1.0)
     ln_u = e * _bm("LN2") + (s * 2.0) * _polynomial(s * s, ["L4", "L3", "L2", "L1"])
     return (ln_u * -2.0).double().sqrt().to(torch.float32)
@@ -518,6 +515,15 @@ def gaussian_matrices(k: int, r: int, seeds: list[int], device) -> torch.Tensor:
     return _gaussians(k, r, seeds, torch.device(device))[:, :, :r]
 
 
+def _pair_rows(count: int, pairs: int) -> tuple[int, int]:
+    """``(rows, n)``: the pair loop computes each of ``count`` seeds' ``pairs`` pairs as
+    ``rows`` rows of ``n``, row ``j`` from pair ``j n`` on, the spare ones discarded. Never a
+    size of 1, which dynamo specialises (a variant of the loop compiled again, ~1 min): a lone
+    seed's pairs take two rows, a row at least two pairs."""
+    rows = 2 if count == 1 else 1
+    return rows, max(2, -(-pairs // rows))
+
+
 def _gaussians(k: int, r: int, seeds: list[int], device: torch.device) -> torch.Tensor:
     """:func:`gaussian_matrices` as ``[M, k, 2 ceil(r/2)]`` (contiguous)."""
     h = (r + 1) // 2
@@ -528,15 +534,16 @@ def _gaussians(k: int, r: int, seeds: list[int], device: torch.device) -> torch.
     if not g.numel():
         return g
     # 2 k h < 2**32: an index has no high word, the key is s_hi alone
+    rows, n = _pair_rows(len(seeds), pairs)
     words = [[as_int32(w) for w in seed_words(seed, GAUSSIAN_LABEL)] for seed in seeds]
-    keys = torch.tensor([[[0, *w], [as_int32(pairs), *w]] for w in words], dtype=torch.int32,
-                        device=device)
+    keys = torch.tensor([[[j * n, *w], [as_int32(pairs + j * n), *w]]
+                         for w in words for j in range(rows)], dtype=torch.int32, device=device)
     # the loop writes two contiguous buffers (one graph for every k and r), then one copy
     # interleaves them into G's rows: an in-graph concatenation took two more passes
-    pairs_out = torch.empty(2, len(seeds), pairs, dtype=torch.float32, device=device)
+    pairs_out = torch.empty(2, len(seeds) * rows, n, dtype=torch.float32, device=device)
     _gaussian_loop(device)(pairs_out[0], pairs_out[1], keys)
-    torch.stack([pairs_out[0].view(-1, k, h), pairs_out[1].view(-1, k, h)], dim=2,
-                out=g.view(-1, k, 2, h))
+    cos, sin = (p.view(len(seeds), rows * n)[:, :pairs].view(-1, k, h) for p in pairs_out)
+    torch.stack([cos, sin], dim=2, out=g.view(-1, k, 2, h))
     return g
 
 
@@ -597,21 +604,24 @@ def make_projections_bytes(k: int, r: int, gram_fp64: bool, count: int = 1) -> i
     k x r projections of one shape (``gram_fp64``: the output is not BF16).
 
     A chunk of c = :func:`projection_chunk` of them: c G at once (``8 k ceil(r/2)`` each),
-    written by the compiled loop through two buffers of pairs as large; then, beside the c G,
-    float64 CholeskyQR3 matrix by matrix (``k < 4 r``: ``16 k r + 16 r^2``); or the c Grams
-    (FP32, or float64 with a float64 copy of one G), four c r^2 factors while they are
-    inverted, and the FP32 inverses with one FP32 product ``G R^-1`` at a time (none for an
-    FP32 output, written in place)."""
-    g = 8 * k * ((r + 1) // 2)
+    written by the compiled loop through two buffers of pairs as large (:func:`_pair_rows`:
+    a few spare pairs); then, beside the c G, float64 CholeskyQR3 matrix by matrix
+    (``k < 4 r``: ``16 k r + 16 r^2``); or the c Grams (FP32, or float64 with a float64 copy
+    of one G), four c r^2 factors while they are inverted, and the FP32 inverses with one FP32
+    product ``G R^-1`` at a time (none for an FP32 output, written in place)."""
+    pairs = k * ((r + 1) // 2)
+    g = 8 * pairs
     c = min(max(1, count), projection_chunk(k, r))
+    rows, n = _pair_rows(c, pairs)
+    buffers = 8 * c * rows * n  # the two buffers of pairs
     if not one_pass(k, r):
-        return max(2 * c * g, c * g + 16 * k * r + 16 * r * r + 8)
+        return max(c * g + buffers, c * g + 16 * k * r + 16 * r * r + 8)
     size = 8 if gram_fp64 else 4
     rr = c * r * r
     grams = size * rr + (8 * k * r if gram_fp64 else 0)
     factors = 4 * size * rr
     products = 4 * rr + (0 if gram_fp64 else 4 * k * r)
-    return max(2 * c * g, c * g + max(grams, factors, products))
+    return max(c * g + buffers, c * g + max(grams, factors, products))
 
 
 @torch.no_grad()
