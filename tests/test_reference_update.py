@@ -189,6 +189,25 @@ def test_cpu_norm_keeps_its_bits_whatever_shapes_and_dynamo_settings_come_before
         assert torch.equal(before.view(torch.int32), again.view(torch.int32))
 
 
+def test_a_dynamo_reset_lets_no_user_setting_into_the_loops_traced_again():
+    """``torch._dynamo.reset()`` drops every compiled graph, rgc's too; the next call traces
+    its loop again under rgc's own settings (no duck sizing), so two sizes that happened to be
+    equal then (2 and 2 here) are no guard that a later call fails: no recompile under the
+    user's ``error_on_recompile``, no eager fallback, the same bits."""
+    from rgc.ops import reference
+
+    cases = [(2, [1]), (8, [1]), (8, [1, 2, 3])]  # a lone seed of 4 pairs: a 2 x 2 call
+    want = [reference.gaussian_matrices(k, 4, seeds, "cpu") for k, seeds in cases]
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [reference.gaussian_matrices(k, 4, seeds, "cpu") for k, seeds in cases]
+    assert not [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
 def test_cpu_norm_converts_one_block_at_a_time_whatever_dynamo_does(monkeypatch):
     """The norm is eager torch (no compiled loop), one float64 block of at most the bytes of
     a chunk of H at a time: no copy of the whole weight, and the same bits with every loop

@@ -244,6 +244,16 @@ def _isolated_dynamo():
     return stack
 
 
+def _traced(code: types.CodeType) -> bool:
+    """Whether dynamo holds a compiled graph of ``code`` (``torch._dynamo.reset()`` drops them
+    all; ~1 us). True where this torch does not say."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:
+        return True
+    return bool(_debug_get_cache_entry_list(code))
+
+
 def _dynamo_disabled() -> bool:
     """Dynamo switched off: by its config, or by ``TORCHDYNAMO_DISABLE=1``, under which
     torch.compile returns the function unchanged (torch 2.13 reads it there)."""
@@ -278,10 +288,10 @@ def _compiled(fn, eager=None):
     settings.
 
     Each :func:`_variant` of the arguments under each global state is compiled from a code
-    object of its own, with sizes symbolic within it, traced under :func:`_isolated_dynamo`:
-    no call recompiles a graph, so a user's ``error_on_recompile``, a low ``recompile_limit``
-    or many shapes never show rgc in their dynamo logs; should a call fail anyway, the eager
-    loop takes over with the same bits.
+    object of its own, with sizes symbolic within it, traced under :func:`_isolated_dynamo`
+    (again after a ``torch._dynamo.reset()``): no call recompiles a graph, so a user's
+    ``error_on_recompile``, a low ``recompile_limit`` or many shapes never show rgc in their
+    dynamo logs; should a call fail anyway, the eager loop takes over with the same bits.
 
     Under a dispatch mode (rgc's memory tracker, the tests' counters), which torch.compile
     does not trace, the loop runs with the modes switched off: one opaque computation that
@@ -290,7 +300,7 @@ def _compiled(fn, eager=None):
     returns ``fn`` unchanged) ``eager`` runs, not ``fn`` on a whole chunk.
     """
     eager = fn if eager is None else eager
-    variants: dict[tuple, list[tuple[_StateGuard, object]]] = {}
+    variants: dict[tuple, list[tuple[_StateGuard, types.CodeType, object]]] = {}
     failed = False
 
     def compiled(args):
@@ -301,14 +311,18 @@ def _compiled(fn, eager=None):
         detached = {id(a): a.detach() for a in args if isinstance(a, torch.Tensor)}
         args = tuple(detached.get(id(a), a) for a in args)
         states = variants.setdefault(_variant(args), [])
-        for state, loop in states:
+        for state, code, loop in states:
             if state.check():
-                return loop(*args)
-        code = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
-                                  fn.__defaults__, fn.__closure__)
-        loop = torch.compile(code, dynamic=True, fullgraph=True, options=_inductor_options())
-        states.append((_StateGuard(), loop))
-        with _isolated_dynamo():  # its first call traces it: the settings of its guards
+                if _traced(code):
+                    return loop(*args)
+                break  # torch._dynamo.reset() dropped its graph: traced again, isolated
+        else:
+            code = fn.__code__.replace()
+            loop = torch.compile(types.FunctionType(code, fn.__globals__, fn.__name__,
+                                                    fn.__defaults__, fn.__closure__),
+                                 dynamic=True, fullgraph=True, options=_inductor_options())
+            states.append((_StateGuard(), code, loop))
+        with _isolated_dynamo():  # a call that traces: the settings of its guards
             return loop(*args)
 
     def run(*args):
