@@ -244,14 +244,16 @@ def _isolated_dynamo():
     return stack
 
 
+try:
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+except ImportError:  # an older torch
+    _debug_get_cache_entry_list = None
+
+
 def _traced(code: types.CodeType) -> bool:
     """Whether dynamo holds a compiled graph of ``code`` (``torch._dynamo.reset()`` drops them
     all; ~1 us). True where this torch does not say."""
-    try:
-        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-    except ImportError:
-        return True
-    return bool(_debug_get_cache_entry_list(code))
+    return _debug_get_cache_entry_list is None or bool(_debug_get_cache_entry_list(code))
 
 
 def _dynamo_disabled() -> bool:
