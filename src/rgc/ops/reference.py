@@ -22,6 +22,7 @@ import contextlib
 import functools
 import itertools
 import math
+import operator
 import os
 import types
 import warnings
@@ -281,6 +282,111 @@ def _inductor_options() -> dict:
     return options
 
 
+def _capturing_inductor(graphs: list):
+    """A torch.compile backend: inductor with :func:`_inductor_options`, as
+    ``backend="inductor"`` compiles, that appends to ``graphs`` each graph's compiled callable,
+    its example inputs, the dynamo source of each symbolic size among them and its number of
+    outputs (:func:`_direct_call` reads them)."""
+    from torch._guards import TracingContext
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm, example_inputs):
+        compiled = compile_fx(gm, example_inputs, config_patches=_inductor_options())
+        context = TracingContext.try_get()
+        shape_env = getattr(getattr(context, "fake_mode", None), "shape_env", None)
+        sources = []
+        for example in example_inputs:
+            found = None
+            if isinstance(example, torch.SymInt) and shape_env is not None:
+                found = (shape_env.var_to_sources.get(example.node.expr) or [None])[0]
+            sources.append(found)
+        outputs = gm.graph.find_nodes(op="output")[0].args[0]
+        graphs.append((compiled, list(example_inputs), sources, len(outputs)))
+        return compiled
+    return backend
+
+
+def _constant(value):
+    return lambda args: value
+
+
+def _source_reader(source, names: tuple, fn_globals: dict):
+    """``args -> value`` for a dynamo source: an argument named in ``names``, a module global
+    of the loop, or a size, stride or storage offset of either; ``None`` for any other."""
+    try:
+        from torch._dynamo.source import (GlobalSource, LocalSource, TensorProperty,
+                                          TensorPropertySource)
+    except ImportError:
+        return None
+    if isinstance(source, LocalSource) and source.local_name in names:
+        return operator.itemgetter(names.index(source.local_name))
+    if isinstance(source, GlobalSource) and source.global_name in fn_globals:
+        return _constant(fn_globals[source.global_name])
+    if isinstance(source, TensorPropertySource):
+        base = _source_reader(source.base, names, fn_globals)
+        if base is None:
+            return None
+        idx = source.idx
+        if source.prop is TensorProperty.SIZE:
+            return lambda args: base(args).size(idx)
+        if source.prop is TensorProperty.STRIDE:
+            return lambda args: base(args).stride(idx)
+        if source.prop is TensorProperty.STORAGE_OFFSET:
+            return lambda args: base(args).storage_offset()
+    return None
+
+
+def _direct_call(graphs: list, fn, args: tuple, result):
+    """``args -> result`` running the graph that :func:`_capturing_inductor` captured while
+    ``fn(*args)`` was traced, without dynamo: each graph input read off the arguments (a
+    tensor argument, a size or stride of one, a module global such as :data:`_BM_VALUES`),
+    ~10 us a call against ~55 us through dynamo's frame, guards and wrappers. What dynamo's
+    guards check is this variant's key already (:func:`_variant`, :class:`_StateGuard`), and
+    the compiled code asserts each tensor's sizes and strides against the sizes it is given.
+    ``None`` where the capture is not one graph whose inputs and outputs are recognised
+    (another torch version's internals): the loop is then called through dynamo."""
+    captured, graphs[:] = list(graphs), []
+    if len(captured) != 1 or not (result is None or isinstance(result, torch.Tensor)):
+        return None
+    compiled, examples, sources, outputs = captured[0]
+    if outputs != (result is not None):
+        return None
+    names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+    module_tensors = {id(v) for v in fn.__globals__.values() if isinstance(v, torch.Tensor)}
+    readers = []
+    for example, source in zip(examples, sources, strict=True):
+        if isinstance(example, torch.Tensor):
+            position = next((i for i, a in enumerate(args) if a is example), None)
+            if position is not None:
+                reader = operator.itemgetter(position)
+            else:  # a module global (a constant of the loop), or unknown
+                reader = _constant(example) if id(example) in module_tensors else None
+        else:
+            reader = _source_reader(source, names, fn.__globals__)
+        if reader is None:
+            return None
+        readers.append(reader)
+
+    def direct(call_args):
+        out = compiled(*[read(call_args) for read in readers])
+        return out[0] if outputs else None
+    return direct
+
+
+class _Variant:
+    """One variant of a loop (:func:`_compiled`): the global ``state`` it was traced under,
+    its own ``code`` object, ``loop`` (that code through torch.compile, which appends what it
+    compiles to ``graphs``) and ``direct`` (the compiled graph called without dynamo, once
+    traced; ``None`` before, or where not recognised)."""
+
+    def __init__(self, fn):
+        self.state, self.code, self.graphs, self.direct = _StateGuard(), fn.__code__.replace(), [], None
+        self.loop = torch.compile(types.FunctionType(self.code, fn.__globals__, fn.__name__,
+                                                     fn.__defaults__, fn.__closure__),
+                                  backend=_capturing_inductor(self.graphs), dynamic=True,
+                                  fullgraph=True)
+
+
 @functools.cache
 def _compiled(fn, eager=None):
     """``fn`` compiled for the CPU (one vectorised loop), or where torch.compile cannot run
@@ -290,10 +396,12 @@ def _compiled(fn, eager=None):
     settings.
 
     Each :func:`_variant` of the arguments under each global state is compiled from a code
-    object of its own, with sizes symbolic within it, traced under :func:`_isolated_dynamo`
-    (again after a ``torch._dynamo.reset()``): no call recompiles a graph, so a user's
-    ``error_on_recompile``, a low ``recompile_limit`` or many shapes never show rgc in their
-    dynamo logs; should a call fail anyway, the eager loop takes over with the same bits.
+    object of its own, with sizes symbolic within it, traced under :func:`_isolated_dynamo`:
+    no call recompiles a graph, so a user's ``error_on_recompile``, a low ``recompile_limit``
+    or many shapes never show rgc in their dynamo logs; should a call fail anyway, the eager
+    loop takes over with the same bits. Later calls run the compiled graph without dynamo
+    (:func:`_direct_call`), where it is recognised; otherwise through dynamo, traced again,
+    isolated, after a ``torch._dynamo.reset()``.
 
     Under a dispatch mode (rgc's memory tracker, the tests' counters), which torch.compile
     does not trace, the loop runs with the modes switched off: one opaque computation that
@@ -302,7 +410,7 @@ def _compiled(fn, eager=None):
     returns ``fn`` unchanged) ``eager`` runs, not ``fn`` on a whole chunk.
     """
     eager = fn if eager is None else eager
-    variants: dict[tuple, list[tuple[_StateGuard, types.CodeType, object]]] = {}
+    variants: dict[tuple, list[_Variant]] = {}
     failed = False
 
     def compiled(args):
@@ -313,19 +421,20 @@ def _compiled(fn, eager=None):
         detached = {id(a): a.detach() for a in args if isinstance(a, torch.Tensor)}
         args = tuple(detached.get(id(a), a) for a in args)
         states = variants.setdefault(_variant(args), [])
-        for state, code, loop in states:
-            if state.check():
-                if _traced(code):
-                    return loop(*args)
+        for variant in states:
+            if variant.state.check():
+                if variant.direct is not None:
+                    return variant.direct(args)
+                if _traced(variant.code):
+                    return variant.loop(*args)
                 break  # torch._dynamo.reset() dropped its graph: traced again, isolated
         else:
-            code = fn.__code__.replace()
-            loop = torch.compile(types.FunctionType(code, fn.__globals__, fn.__name__,
-                                                    fn.__defaults__, fn.__closure__),
-                                 dynamic=True, fullgraph=True, options=_inductor_options())
-            states.append((_StateGuard(), code, loop))
+            variant = _Variant(fn)
+            states.append(variant)
         with _isolated_dynamo():  # a call that traces: the settings of its guards
-            return loop(*args)
+            result = variant.loop(*args)
+        variant.direct = _direct_call(variant.graphs, fn, args, result)
+        return result
 
     def run(*args):
         nonlocal failed
@@ -341,6 +450,7 @@ def _compiled(fn, eager=None):
                               stacklevel=2)
                 failed = True
         return eager(*args)
+    run.variants = variants  # for inspection
     return run
 
 
