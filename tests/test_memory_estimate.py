@@ -294,8 +294,8 @@ PEER_PACKAGE = {"galore": "galore_torch", "apollo": "apollo_torch",
                 "bnb-adamw8bit": "bitsandbytes"}
 
 
-@pytest.mark.parametrize("method", ["adamw", "adamw-bf16", "galore", "apollo", "apollo-mini",
-                                    "adamw8bit", "adamw4bit", "adamw-bf16-sr", "bnb-adamw8bit"])
+@pytest.mark.parametrize("method", ["adamw", "adamw-bf16", *(
+    pytest.param(peer, marks=pytest.mark.slow) for peer in PEER_PACKAGE)])
 def test_allocator_peak_and_held_match_the_estimate(method):
     """The profiler's allocator events against the estimate, one steady step of each method.
 
