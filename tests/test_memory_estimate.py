@@ -613,7 +613,7 @@ def test_moe_expert_backward_peak_within_three_percent(family, method):
     assert abs(est.total - peak) <= 0.03 * peak, (est.at_peak, peak)
 
 
-@pytest.mark.parametrize("method", ["rgc", "rowadam"])
+@pytest.mark.parametrize("method", ["rgc", pytest.param("rowadam", marks=pytest.mark.slow)])
 def test_moe_step_temporaries_bound_the_measured_step(method):
     """A step of 12 layers: RowAdam holds a copy of every old P while it regenerates them."""
     pytest.importorskip("transformers")
