@@ -373,6 +373,10 @@ def _direct_call(graphs: list, fn, args: tuple, result):
     return direct
 
 
+#: What a compiled loop returns where dynamo is disabled and its variant was never traced.
+_EAGER = object()
+
+
 class _Variant:
     """One variant of a loop (:func:`_compiled`): the global ``state`` it was traced under,
     its own ``code`` object, ``loop`` (that code through torch.compile, which appends what it
@@ -407,7 +411,8 @@ def _compiled(fn, eager=None):
     does not trace, the loop runs with the modes switched off: one opaque computation that
     writes its output and allocates nothing seen, with the bits it has outside the mode. With
     dynamo disabled (its config, or ``TORCHDYNAMO_DISABLE=1``, under which torch.compile
-    returns ``fn`` unchanged) ``eager`` runs, not ``fn`` on a whole chunk.
+    returns ``fn`` unchanged) a variant not yet compiled runs ``eager``, not ``fn`` on a whole
+    chunk; one compiled before keeps its graph (the same bits).
     """
     eager = fn if eager is None else eager
     variants: dict[tuple, list[_Variant]] = {}
@@ -421,16 +426,17 @@ def _compiled(fn, eager=None):
         detached = {id(a): a.detach() for a in args if isinstance(a, torch.Tensor)}
         args = tuple(detached.get(id(a), a) for a in args)
         states = variants.setdefault(_variant(args), [])
-        for variant in states:
-            if variant.state.check():
-                if variant.direct is not None:
-                    return variant.direct(args)
-                if _traced(variant.code):
-                    return variant.loop(*args)
-                break  # torch._dynamo.reset() dropped its graph: traced again, isolated
-        else:
+        variant = next((v for v in states if v.state.check()), None)
+        if variant is not None and variant.direct is not None:
+            return variant.direct(args)
+        if _dynamo_disabled():
+            return _EAGER
+        if variant is None:
             variant = _Variant(fn)
             states.append(variant)
+        elif _traced(variant.code):
+            return variant.loop(*args)
+        # first call, or torch._dynamo.reset() dropped its graph: traced, isolated
         with _isolated_dynamo():  # a call that traces: the settings of its guards
             result = variant.loop(*args)
         variant.direct = _direct_call(variant.graphs, fn, args, result)
@@ -441,14 +447,17 @@ def _compiled(fn, eager=None):
         if _python_dispatch._get_current_dispatch_mode() is not None:
             with _python_dispatch._disable_current_modes():
                 return run(*args)
-        if not failed and not _dynamo_disabled():
+        if not failed:
             try:
-                return compiled(args)
+                result = compiled(args)
             except Exception as exc:  # no C++ compiler, unsupported platform
                 warnings.warn(f"rgc: torch.compile of a CPU loop failed ({exc!s:.200}); using "
                               "eager torch ops (slower, the same bits)", RuntimeWarning,
                               stacklevel=2)
                 failed = True
+            else:
+                if result is not _EAGER:
+                    return result
         return eager(*args)
     run.variants = variants  # for inspection
     return run
