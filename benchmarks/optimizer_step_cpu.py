@@ -139,6 +139,22 @@ def build_rebuild(shapes, rank: int, *, write: bool = False, seed: int = 0):
     return step
 
 
+def build_sketch_stats(shapes, rank: int):
+    """``||C P^T||^2`` of every layer from its two r x r Grams in float64, and only that
+    (``rgc.ops.sketch_stats``, what the step's coefficients read): the price of the bit
+    contract's order-independent norm, against an FP32 GEMM's."""
+    from rgc import ops
+
+    sketches = [torch.randn(1, d, rank) for _, d, _ in shapes]
+    projections = [torch.randn(k, rank).to(torch.bfloat16) for _, _, k in shapes]
+
+    def step():
+        t = clock()
+        ops.sketch_stats(sketches, projections)
+        return clock() - t
+    return step
+
+
 def build_adamw(shapes, dtype: torch.dtype):
     params = [nn.Parameter(torch.randn(d, k, dtype=dtype) * 0.02) for _, d, k in shapes]
     for p in params:
@@ -155,8 +171,8 @@ def build_adamw(shapes, dtype: torch.dtype):
 
 #: The rows of the table, in order.
 ROWS = ["rgc (P refreshed every step)", "rgc (P fixed)", "of which: rebuild GEMMs only",
-        "of which: GEMMs + rounding pass (floor)", "of which: P refresh only",
-        "adamw foreach, bf16 params", "adamw foreach, fp32 params"]
+        "of which: GEMMs + rounding pass (floor)", "of which: ||C P^T||^2 (float64 Grams)",
+        "of which: P refresh only", "adamw foreach, bf16 params", "adamw foreach, fp32 params"]
 #: The rows a --previous worker measures (those every version has), and its prefix.
 PREVIOUS_ROWS = ["rgc (P refreshed every step)", "rgc (P fixed)", "of which: P refresh only",
                  "adamw foreach, bf16 params"]
@@ -198,6 +214,7 @@ def build_runs(args, names) -> dict:
         "of which: rebuild GEMMs only": lambda: build_rebuild(shapes, args.rank),
         "of which: GEMMs + rounding pass (floor)":
             lambda: build_rebuild(shapes, args.rank, write=True),
+        "of which: ||C P^T||^2 (float64 Grams)": lambda: build_sketch_stats(shapes, args.rank),
         "of which: P refresh only": lambda: build_refresh_only(shapes, args.rank),
         "adamw foreach, bf16 params": lambda: build_adamw(shapes, torch.bfloat16),
         "adamw foreach, fp32 params": lambda: build_adamw(shapes, torch.float32),
@@ -258,7 +275,8 @@ def run(args) -> list[dict]:
     # rotated at each repetition, so no method always runs first.
     names = ["adamw foreach, bf16 params", "rgc (P refreshed every step)",
              "adamw foreach, fp32 params", "rgc (P fixed)", "of which: rebuild GEMMs only",
-             "of which: P refresh only", "of which: GEMMs + rounding pass (floor)"]
+             "of which: P refresh only", "of which: GEMMs + rounding pass (floor)",
+             "of which: ||C P^T||^2 (float64 Grams)"]
     runs = build_runs(args, names)
     previous = None
     if args.previous is not None:
