@@ -1018,24 +1018,29 @@ def sketch_stats(sketches: list[torch.Tensor], projections: list[torch.Tensor]
     FP32 result's). Finite exactly where C is: a finite C cannot overflow float64 here, and an
     inf or NaN in C reaches the diagonal of ``C^T C``. sketches[m]: ``[E, d, r]`` FP32,
     projections[m]: ``[k, r]``; C is converted :func:`sketch_stats_rows` rows at a time.
+    Both Grams are products ``X X^T`` of a transposed float64 copy ``X`` (MKL's float64 GEMM
+    was 25% faster so than as ``X^T X`` on an AVX2 CPU).
     """
     if not sketches:
         empty = torch.zeros(0, 0)
         return empty, empty.bool()
     h2 = []
     for c3, p in zip(sketches, projections, strict=True):
-        p64 = p.to(torch.float64)
-        gram = p64.t() @ p64
+        p_t = torch.empty(p.shape[::-1], dtype=torch.float64, device=p.device).copy_(p.t())
+        gram = p_t @ p_t.t()
+        del p_t
         e, d, r = c3.shape
         step = sketch_stats_rows(r)
+        buffer = torch.empty(r, min(d, step), dtype=torch.float64, device=c3.device)
         totals = []
         for c2 in c3:
             ctc = torch.zeros(r, r, dtype=torch.float64, device=c3.device)
             for start in range(0, d, step):
-                c = c2[start:start + step].to(torch.float64)
-                ctc.addmm_(c.t(), c)
-                del c  # before the next chunk's
+                part = c2[start:start + step]
+                c_t = buffer[:, :part.shape[0]].copy_(part.t())
+                ctc.addmm_(c_t, c_t.t())
             totals.append(ctc.mul_(gram).sum())
+        del buffer
         h2.append(torch.stack(totals) if totals else c3.new_zeros(0, dtype=torch.float64))
     h2 = torch.stack(h2)
     return h2.to(torch.float32).clamp_min_(0), torch.isfinite(h2)
