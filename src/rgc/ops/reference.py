@@ -314,8 +314,12 @@ def _source_reader(source, names: tuple, fn_globals: dict):
     """``args -> value`` for a dynamo source: an argument named in ``names``, a module global
     of the loop, or a size, stride or storage offset of either; ``None`` for any other."""
     try:
-        from torch._dynamo.source import (GlobalSource, LocalSource, TensorProperty,
-                                          TensorPropertySource)
+        from torch._dynamo.source import (
+            GlobalSource,
+            LocalSource,
+            TensorProperty,
+            TensorPropertySource,
+        )
     except ImportError:
         return None
     if isinstance(source, LocalSource) and source.local_name in names:
@@ -384,7 +388,8 @@ class _Variant:
     traced; ``None`` before, or where not recognised)."""
 
     def __init__(self, fn):
-        self.state, self.code, self.graphs, self.direct = _StateGuard(), fn.__code__.replace(), [], None
+        self.state, self.code = _StateGuard(), fn.__code__.replace()
+        self.graphs, self.direct = [], None
         self.loop = torch.compile(types.FunctionType(self.code, fn.__globals__, fn.__name__,
                                                      fn.__defaults__, fn.__closure__),
                                   backend=_capturing_inductor(self.graphs), dynamic=True,
@@ -1018,8 +1023,8 @@ def sketch_stats(sketches: list[torch.Tensor], projections: list[torch.Tensor]
     FP32 result's). Finite exactly where C is: a finite C cannot overflow float64 here, and an
     inf or NaN in C reaches the diagonal of ``C^T C``. sketches[m]: ``[E, d, r]`` FP32,
     projections[m]: ``[k, r]``; C is converted :func:`sketch_stats_rows` rows at a time.
-    Both Grams are products ``X X^T`` of a transposed float64 copy ``X`` (MKL's float64 GEMM
-    was 25% faster so than as ``X^T X`` on an AVX2 CPU).
+    Both Grams are products ``X X^T`` of a transposed float64 copy ``X``: on an AVX2 CPU MKL's
+    float64 GEMM ran 25% faster on them than on ``X^T X``.
     """
     if not sketches:
         empty = torch.zeros(0, 0)
