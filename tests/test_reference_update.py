@@ -191,10 +191,11 @@ def test_cpu_norm_keeps_its_bits_whatever_shapes_and_dynamo_settings_come_before
 
 
 def test_a_dynamo_reset_lets_no_user_setting_into_the_loops_traced_again():
-    """``torch._dynamo.reset()`` drops every compiled graph, rgc's too; the next call traces
-    its loop again under rgc's own settings (no duck sizing), so two sizes that happened to be
-    equal then (2 and 2 here) are no guard that a later call fails: no recompile under the
-    user's ``error_on_recompile``, no eager fallback, the same bits."""
+    """``torch._dynamo.reset()`` drops every graph dynamo holds. A loop keeps calling the graph
+    it captured, and one called through dynamo (a capture not recognised) is traced again under
+    rgc's own settings (no duck sizing), so two sizes that happened to be equal then (2 and 2
+    here) are no guard that a later call fails: no recompile under the user's
+    ``error_on_recompile``, no eager fallback, the same bits."""
     from rgc.ops import reference
 
     cases = [(2, [1]), (8, [1]), (8, [1, 2, 3])]  # a lone seed of 4 pairs: a 2 x 2 call
