@@ -220,16 +220,26 @@ class _StateGuard:
 
 
 def _variant(args) -> tuple:
-    """What a compiled loop's graph is specialised on besides sizes and the global state
-    (:class:`_StateGuard`): dtypes, ranks, sizes of 1, contiguity and inference-mode creation
-    of the tensor arguments, the values of the other arguments (ints and bools, which the
-    graph is traced with) and the thread's dispatch keys (an operator's kernel runs below
-    autograd, a direct call does not)."""
+    """What a loop traced through dynamo is specialised on besides sizes and the global state
+    (:class:`_StateGuard`): the thread's dispatch keys (an operator's kernel runs below
+    autograd, a direct call does not) and the :func:`_graph_key` of its arguments (the values
+    of ints and bools among them are traced in)."""
     return (torch._C._dispatch_tls_local_include_set().raw_repr(),
-            torch._C._dispatch_tls_local_exclude_set().raw_repr(),
+            torch._C._dispatch_tls_local_exclude_set().raw_repr(), _graph_key(args))
+
+
+def _graph_key(args) -> tuple:
+    """What a captured graph, called directly (:func:`_direct_call`), depends on: per tensor
+    argument its dtype, rank, sizes of 1, contiguity, inference-mode creation and the first
+    argument that is the same tensor (one passed twice is one graph input); the values of the
+    other arguments; the default dtype. Not the grad mode, the thread count or the dispatch
+    keys of :func:`_variant`: the compiled code reads none of them, and its inputs are
+    detached."""
+    ids = [id(a) for a in args]
+    return (torch.get_default_dtype(),
             *((a.dtype, a.dim(), tuple(n == 1 for n in a.shape), a.is_contiguous(),
-               a.is_inference()) if isinstance(a, torch.Tensor) else (type(a), a)
-              for a in args))
+               a.is_inference(), ids.index(id(a))) if isinstance(a, torch.Tensor)
+              else (type(a), a) for a in args))
 
 
 def _isolated_dynamo():
@@ -409,8 +419,9 @@ def _compiled(fn, eager=None):
     no call recompiles a graph, so a user's ``error_on_recompile``, a low ``recompile_limit``
     or many shapes never show rgc in their dynamo logs; should a call fail anyway, the eager
     loop takes over with the same bits. Later calls run the compiled graph without dynamo
-    (:func:`_direct_call`), where it is recognised; otherwise through dynamo, traced again,
-    isolated, after a ``torch._dynamo.reset()``.
+    (:func:`_direct_call`), where it is recognised, and so does every call with the same
+    :func:`_graph_key` under another grad mode, thread count or dispatch keys (no new trace);
+    otherwise through dynamo, traced again, isolated, after a ``torch._dynamo.reset()``.
 
     Under a dispatch mode (rgc's memory tracker, the tests' counters), which torch.compile
     does not trace, the loop runs with the modes switched off: one opaque computation that
@@ -421,6 +432,7 @@ def _compiled(fn, eager=None):
     """
     eager = fn if eager is None else eager
     variants: dict[tuple, list[_Variant]] = {}
+    graphs: dict[tuple, object] = {}  # the direct calls, by _graph_key
     failed = False
 
     def compiled(args):
@@ -430,10 +442,12 @@ def _compiled(fn, eager=None):
         # (two aliasing inputs would take dynamo's slower, and on some versions failing, path).
         detached = {id(a): a.detach() for a in args if isinstance(a, torch.Tensor)}
         args = tuple(detached.get(id(a), a) for a in args)
+        key = _graph_key(args)
+        direct = graphs.get(key)
+        if direct is not None:
+            return direct(args)
         states = variants.setdefault(_variant(args), [])
         variant = next((v for v in states if v.state.check()), None)
-        if variant is not None and variant.direct is not None:
-            return variant.direct(args)
         if _dynamo_disabled():
             return _EAGER
         if variant is None:
@@ -445,6 +459,8 @@ def _compiled(fn, eager=None):
         with _isolated_dynamo():  # a call that traces: the settings of its guards
             result = variant.loop(*args)
         variant.direct = _direct_call(variant.graphs, fn, args, result)
+        if variant.direct is not None:
+            graphs[key] = variant.direct
         return result
 
     def run(*args):
