@@ -377,6 +377,7 @@ def test_coef_zero_keeps_the_bits_of_w_with_nonfinite_factors(w_dtype, zero):
     assert sq[0, 0].item() == pytest.approx((w[0].double() ** 2).sum().item(), rel=1e-6)
 
 
+@pytest.mark.slow  # interpreted kernels on three layouts
 def test_sq_norms_deterministic_and_sum_squares_has_the_same_bits():
     layouts = {
         "contiguous": lambda: torch.randn(2, 70, 100).bfloat16(),
@@ -611,16 +612,20 @@ def triton_projections(kind, k, r, seeds, dtype):
     return outs
 
 
-def _orthonormal_slow_beyond_bf16(cases):
+def _orthonormal_slow_beyond_bf16(cases, cholesky_qr3_slow: bool = False):
     """(kind, k, r) x PROJECTION_DTYPES, orthonormal cases of other dtypes than BF16 marked
-    slow: the interpreted CholeskyQR takes seconds, and the dtype is only its last rounding."""
-    return [pytest.param(*case, dtype, marks=pytest.mark.slow if case[0] == "orthonormal"
-                         and dtype != torch.bfloat16 else ())
+    slow (and with ``cholesky_qr3_slow`` those with ``k < 4 r`` in BF16 too): the interpreted
+    CholeskyQR takes seconds, CholeskyQR3 the most, and the dtype is only its last rounding."""
+    def slow(kind, k, r, dtype):
+        return kind == "orthonormal" and (dtype != torch.bfloat16
+                                          or (cholesky_qr3_slow and k < 4 * r))
+    return [pytest.param(*case, dtype, marks=pytest.mark.slow if slow(*case, dtype) else ())
             for case in cases for dtype in PROJECTION_DTYPES]
 
 
 @pytest.mark.parametrize("kind,k,r,dtype", _orthonormal_slow_beyond_bf16(
-    [("rademacher", 37, 9), ("gaussian", 37, 9), ("orthonormal", 70, 9), ("orthonormal", 21, 9)]))
+    [("rademacher", 37, 9), ("gaussian", 37, 9), ("orthonormal", 70, 9), ("orthonormal", 21, 9)],
+    cholesky_qr3_slow=True))
 def test_a_projection_has_the_bits_it_has_alone_in_any_batch(kind, k, r, dtype, monkeypatch):
     # A sync receiver regenerates one P; the trainer a whole group: a batch of N, in any
     # order and split into chunks of any size, gives each P the bits it has alone.
@@ -748,6 +753,7 @@ def test_registry_reaches_the_kernels_of_rgc_impl(impl, monkeypatch):
     assert calls == ([] if impl == "torch" else list(_op_calls()))
 
 
+@pytest.mark.slow  # opcheck of every op, its kernels interpreted
 def test_ops_trace_with_the_triton_kernels(monkeypatch):
     # opcheck: the schema's mutations match the kernel's, the fake kernel gives the real
     # one's shapes, dtypes and strides, and the op traces under AOT dispatch (torch.compile).

@@ -157,6 +157,7 @@ def _stacks():
     return out
 
 
+@pytest.mark.slow  # traces a loop for each of its layouts
 def test_cpu_norm_keeps_its_bits_whatever_shapes_and_dynamo_settings_come_before():
     """The compiled CPU loops never recompile (one code object per argument variant): neither a
     user's error_on_recompile nor more layouts than dynamo's recompile limit nor a grad mode
