@@ -211,6 +211,40 @@ def test_a_dynamo_reset_lets_no_user_setting_into_the_loops_traced_again():
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
+@pytest.mark.skipif(os.environ.get("TORCHDYNAMO_DISABLE") == "1",
+                    reason="dynamo disabled: the loops run eagerly, nothing is traced")
+def test_a_loops_graph_serves_other_grad_modes_threads_and_dispatch_keys_untraced():
+    """A loop traced once is not traced again for a call under another grad mode, thread
+    count or the dispatch keys of an operator's kernel (below autograd): the same graph, the
+    same bits. Another layout (a transposed input) is another graph."""
+    from rgc.ops import reference
+
+    loop = reference._compiled(reference._halving_sums)
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(7))
+
+    def traced() -> int:
+        return sum(len(states) for states in loop.variants.values())
+
+    with torch.no_grad():
+        want = loop(x, 512, True)
+    before = traced()
+    threads = torch.get_num_threads()
+    with torch.enable_grad():
+        got = [loop(x, 512, True)]
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        got.append(loop(x, 512, True))
+    torch.set_num_threads(threads + 1)
+    try:
+        got.append(loop(x, 512, True))
+    finally:
+        torch.set_num_threads(threads)
+    assert traced() == before
+    for again in got:
+        assert torch.equal(again.view(torch.int32), want.view(torch.int32))
+    transposed = x.t().contiguous().t()
+    assert reference._graph_key((transposed, 512, True)) != reference._graph_key((x, 512, True))
+
+
 def test_cpu_norm_converts_one_block_at_a_time_whatever_dynamo_does(monkeypatch):
     """The norm is eager torch (no compiled loop), one float64 block of at most the bytes of
     a chunk of H at a time: no copy of the whole weight, and the same bits with every loop
