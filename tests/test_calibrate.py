@@ -12,6 +12,7 @@ def loss_of(model, ids):
     return model(ids).square().mean()
 
 
+@pytest.mark.slow  # a model's first AdamW and RGC steps
 def test_first_update_matches_a_first_adamw_step():
     adamw_lr = 1e-4
     ids = torch.randint(0, 32, (4, 7))

@@ -75,6 +75,7 @@ def test_sketch_equals_bf16_path_up_to_fp32_rounding():
     assert rel_err(upcast.sketch, native.sketch.double()) < 1e-2
 
 
+@pytest.mark.slow  # a whole model's forward and backward, twice
 def test_whole_model_matmuls_run_in_fp32_and_match_reference():
     model = tiny_qwen3(torch.bfloat16)
     reference = tiny_qwen3(torch.bfloat16)

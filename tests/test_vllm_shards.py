@@ -56,6 +56,7 @@ def _cuts(n, draw_points):
     return list(zip(points[:-1], points[1:]))
 
 
+@pytest.mark.slow  # 25 trainer steps and receivers
 @given(dtype=st.sampled_from([torch.bfloat16, torch.float32]),
        opt_name=st.sampled_from(["rgc", "rowadam"]), chunk_rows=st.integers(1, 9),
        seed=st.integers(0, 2**20), data=st.data())
