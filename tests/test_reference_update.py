@@ -16,6 +16,11 @@ from rgc.updates import apply_lowrank_update_ as lowrank_update_reference
 from rgc.updates import sum_squares as sum_squares_reference
 from tests.test_step_sync import CountSyncs
 
+#: For the tests of how the compiled loops are traced and called.
+needs_dynamo = pytest.mark.skipif(os.environ.get("TORCHDYNAMO_DISABLE") == "1",
+                                  reason="dynamo disabled: the loops run eagerly, nothing "
+                                  "is traced")
+
 
 def _problem(d, k, r, dtype, seed):
     g = torch.Generator().manual_seed(seed)
@@ -211,8 +216,7 @@ def test_a_dynamo_reset_lets_no_user_setting_into_the_loops_traced_again():
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-@pytest.mark.skipif(os.environ.get("TORCHDYNAMO_DISABLE") == "1",
-                    reason="dynamo disabled: the loops run eagerly, nothing is traced")
+@needs_dynamo
 def test_a_loops_graph_serves_other_grad_modes_threads_and_dispatch_keys_untraced():
     """A loop traced once is not traced again for a call under another grad mode, thread
     count or the dispatch keys of an operator's kernel (below autograd): the same graph, the
@@ -263,8 +267,7 @@ def test_cpu_norm_converts_one_block_at_a_time_whatever_dynamo_does(monkeypatch)
     assert 0 < t.peak <= 8 * min(reference.SQUARE_SUM_BLOCK, 128 * 1024 // 2) + 8192
 
 
-@pytest.mark.skipif(os.environ.get("TORCHDYNAMO_DISABLE") == "1",
-                    reason="dynamo disabled: the loops run eagerly, nothing is traced")
+@needs_dynamo
 def test_every_cpu_loop_once_traced_runs_its_graph_without_dynamo():
     """After its first call a loop calls inductor's compiled graph directly (~10 us, not the
     ~55 us of dynamo's frame, guards and wrappers): every variant the CPU step and refresh use

@@ -219,13 +219,13 @@ class _StateGuard:
         return self._guard.check() if self._guard is not None else self._read() == self._state
 
 
-def _variant(args) -> tuple:
+def _variant(graph_key: tuple) -> tuple:
     """What a loop traced through dynamo is specialised on besides sizes and the global state
     (:class:`_StateGuard`): the thread's dispatch keys (an operator's kernel runs below
     autograd, a direct call does not) and the :func:`_graph_key` of its arguments (the values
     of ints and bools among them are traced in)."""
     return (torch._C._dispatch_tls_local_include_set().raw_repr(),
-            torch._C._dispatch_tls_local_exclude_set().raw_repr(), _graph_key(args))
+            torch._C._dispatch_tls_local_exclude_set().raw_repr(), graph_key)
 
 
 def _graph_key(args) -> tuple:
@@ -446,7 +446,7 @@ def _compiled(fn, eager=None):
         direct = graphs.get(key)
         if direct is not None:
             return direct(args)
-        states = variants.setdefault(_variant(args), [])
+        states = variants.setdefault(_variant(key), [])
         variant = next((v for v in states if v.state.check()), None)
         if _dynamo_disabled():
             return _EAGER
