@@ -29,10 +29,24 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 #: Categories of :attr:`Tracker.peak_breakdown`, by when and why a storage was allocated.
 CATEGORIES = ("activations", "backward", "optimizer", "other")
+
+
+def _tensors(tree, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Appends to ``out`` the tensors in an operator's arguments or outputs (a tensor, or
+    tuples, lists and dicts of them); a plain walk, several times faster per operator than
+    ``torch.utils._pytree``'s."""
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif isinstance(tree, (tuple, list)):
+        for x in tree:
+            _tensors(x, out)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            _tensors(x, out)
+    return out
 
 
 def _storage(t: torch.Tensor):
@@ -170,11 +184,11 @@ class Tracker(TorchDispatchMode):
 
             return run_under_mode(self, func, args, kwargs)
         out = func(*args, **(kwargs or {}))
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        outs = _tensors(out, [])
         if not outs:
             return out
-        seen = {st._cdata for t in tree_flatten((args, kwargs))[0]
-                if isinstance(t, torch.Tensor) and (st := _storage(t)) is not None}
+        seen = {st._cdata for t in _tensors((args, kwargs), [])
+                if (st := _storage(t)) is not None}
         for t in outs:
             if t.device.type == "meta" or (self.device is not None
                                            and t.device.type != self.device):
