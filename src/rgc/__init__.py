@@ -1,10 +1,9 @@
 """rgc: randomized gradient compression for full-weight RL post-training of LLMs."""
 
-from rgc import compute, distributed, experts, memory
+from rgc import compute, experts, memory
 from rgc.calibrate import calibrate_lr
 from rgc.control import PredictedKL
 from rgc.coverage import wrap_summary
-from rgc.distributed import DistributedRGCOptimizer, DistributedRowAdam
 from rgc.memory import estimate_memory
 from rgc.nn import (
     DEFAULT_TARGETS,
@@ -47,3 +46,20 @@ __all__ = [
     "wrap",
     "wrap_summary",
 ]
+
+#: Loaded on first use: :mod:`rgc.distributed` imports torch.distributed's tensor package
+#: (about 0.8 s), which a single process never needs.
+_DISTRIBUTED = ("distributed", "DistributedRGCOptimizer", "DistributedRowAdam")
+
+
+def __getattr__(name: str):
+    if name in _DISTRIBUTED:
+        import importlib
+
+        module = importlib.import_module("rgc.distributed")
+        return module if name == "distributed" else getattr(module, name)
+    raise AttributeError(f"module 'rgc' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_DISTRIBUTED})

@@ -24,6 +24,7 @@ are rejected with a message: call ``model.set_attn_implementation('sdpa')`` firs
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from collections.abc import Callable
 
@@ -34,11 +35,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rgc.experts.module import ExpertWeight, update_tangents
 from rgc.updates import DenseUpdate, LowRankUpdate, is_zero
-
-try:
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # torch without FSDP2
-    FSDPModule = None
 
 SCHEDULES = ("linear", "cosine")
 FORWARD_AD_ATTENTION = ("eager", "sdpa")
@@ -69,10 +65,13 @@ def _reshard(model: nn.Module) -> None:
     ``reshard_after_forward=False`` keeps them after a forward that no backward follows, and
     its next forward would reuse them: after the probe they are stale, the optimizer having
     written the shards since."""
-    if FSDPModule is None:
+    # not imported here (torch.distributed's tensor package: ~0.8 s): a model sharded by FSDP2
+    # was sharded after someone imported it
+    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if fsdp_module is None:
         return
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if isinstance(module, fsdp_module):
             module.reshard()
 
 
