@@ -264,8 +264,9 @@ def _train(rank: int, world: int, scenario, *, reshard: bool = False,
         ctl.set_probe(net, probe(rank, world))
     record = {"pre": [], "post": [], "calls": [], "comm": [], "syncs": [], "copies": [],
               "payloads": [], "export_bytes": []}
+    state = full_state(net)  # a collective: a step's weights after are the next's before
     for step in range(STEPS):
-        record["pre"].append(full_state(net))
+        record["pre"].append(state)
         loss_on(net, step, rank, world).backward()
         with CountCollectives() as count, CountSyncs() as syncs, CountHostCopies() as copies:
             opt.step()
@@ -278,7 +279,8 @@ def _train(rank: int, world: int, scenario, *, reshard: bool = False,
         record["export_bytes"].append(opt.last_export_bytes)
         if rank == 0:
             record["payloads"].append(payload)
-        record["post"].append(full_state(net))
+        state = full_state(net)
+        record["post"].append(state)
     record["history"] = ctl.history if ctl is not None else None
     if rule == "rowadam":  # every rank calls full_tensor() in the same order: collective
         record["moments"] = {name: row_moments(opt.state[p]) for name, p in

@@ -107,8 +107,9 @@ def _steps(model, opt, rank: int, world: int, steps: range, record: dict) -> Non
     for key in ("pre", "post", "payloads", "comm"):
         record.setdefault(key, [])
     record.setdefault("largest", 0)
+    state = full_state(model)  # a collective: a step's weights after are the next's before
     for step in steps:
-        record["pre"].append(full_state(model))
+        record["pre"].append(state)
         _loss(model, step, rank, world).backward()
         _probe(model, opt, step, rank, world)
         with rgc.memory.track() as tracked:
@@ -118,7 +119,8 @@ def _steps(model, opt, rank: int, world: int, steps: range, record: dict) -> Non
         record["comm"].append(opt.last_comm_bytes)
         opt.zero_grad()
         record["payloads"].append(opt.export_update(model))  # collective
-        record["post"].append(full_state(model))
+        state = full_state(model)
+        record["post"].append(state)
     if opt.step_control is not None:
         record["history"] = list(opt.step_control.history)
 
