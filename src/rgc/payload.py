@@ -44,7 +44,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from rgc.ops import integer_loop
 from rgc.projection import PROJECTION_KINDS
@@ -125,11 +124,7 @@ def fingerprint_share(values: torch.Tensor, row0: int, col0: int, k: int) -> tor
         for start in range(0, bits.shape[0], step):
             origin = torch.tensor([row0 + start, col0 + c, k], dtype=torch.int64,
                                   device=bits.device)
-            block = bits[start:start + step, c:c + _COLUMNS]
-            if min(block.shape) == 1:  # a zero row or column adds nothing: with at least 2
-                # of each, the CPU loop compiles one graph for every block
-                block = F.pad(block, (0, int(block.shape[1] == 1), 0, int(block.shape[0] == 1)))
-            share = run(block, origin)
+            share = run(bits[start:start + step, c:c + _COLUMNS], origin)
             total = (total + share) % FINGERPRINT_MODULUS
     return total
 
