@@ -10,6 +10,12 @@ and the float64 weight norm of the stored chunk. Per refresh, for the projection
 benchmark's layers (grouped by shape, as the optimizer refreshes them): the Box-Muller
 Gaussians and their CholeskyQR into BF16 P.
 
+``--first-use`` adds what a new process pays for its first refresh of the same projections
+(CPU time, its compiler processes included): with an empty inductor cache (rgc's loops
+compiled, the Box-Muller loop foremost), again with that cache warm (traced, then loaded), and
+with dynamo off (``TORCHDYNAMO_DISABLE=1``: the loops run as eager torch operations, with the
+same bits), and with dynamo off the refresh itself (the median of five after the first).
+
 ``--previous DIR`` adds the same pieces of the previous version (DIR a checkout of 7982e6c,
 as for ``optimizer_step_cpu.py --previous``), whose loops were C compiled at run time and called
 through ctypes: one call, its rounding loop without and with its float64 norm lanes, and its
@@ -19,7 +25,7 @@ Times are the CPU time of the calling thread with one torch thread, medians over
 repetitions.
 
     python benchmarks/cpu_loop_costs.py [--scale 4] [--layers 2] [--rank 64] [--reps 31]
-        [--previous DIR]
+        [--first-use] [--previous DIR]
 """
 
 from __future__ import annotations
@@ -27,8 +33,12 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib.util
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,7 +56,35 @@ from rgc.updates import CHUNK_ELEMENTS  # noqa: E402
 
 #: Calls timed together where one call's cost is measured.
 CALLS = 100
-SCALE = {"us": 1e6, "ns": 1e9, "ms": 1e3}
+SCALE = {"us": 1e6, "ns": 1e9, "ms": 1e3, "s": 1.0}
+
+#: What a new process runs for ``--first-use``: P of each k (BF16, k x rank) refreshed once,
+#: then five times more; it prints the first refresh's CPU seconds (its own and its waited-for
+#: children's, with inductor compiling in the process) and the later ones' median.
+FIRST_REFRESH = """
+import json, resource, statistics, sys, time
+sys.path.insert(0, {src!r})
+import torch
+torch.set_num_threads(1)
+from rgc.ops import make_projections_
+
+def cpu():
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+outs = [torch.empty(k, {rank}, dtype=torch.bfloat16) for k in {ks!r}]
+seeds = list(range(len(outs)))
+with torch.no_grad():
+    start = cpu()
+    make_projections_(outs, "orthonormal", seeds)
+    first = cpu() - start
+    later = []
+    for _ in range(5):
+        start = time.thread_time()
+        make_projections_(outs, "orthonormal", seeds)
+        later.append(time.thread_time() - start)
+print(json.dumps({{"first": first, "later": statistics.median(later)}}))
+"""
 
 
 def calls(fn):
@@ -117,6 +155,34 @@ def per_gaussian(counts: dict[int, int], rank: int) -> tuple[str, int, str]:
     return ("  per Gaussian", sum(count * k * rank for k, count in counts.items()), "ns")
 
 
+def first_refresh(ks: list[int], rank: int, env: dict[str, str]) -> tuple[float, float]:
+    """(CPU seconds of the first refresh, median CPU seconds of the next five) of a new process
+    refreshing one k x ``rank`` P for each of ``ks``, ``env`` added to this one's environment."""
+    code = FIRST_REFRESH.format(src=str(ROOT / "src"), rank=rank, ks=ks)
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                         capture_output=True, text=True, check=False)
+    if run.returncode:
+        raise RuntimeError(f"the first-refresh process failed:\n{run.stderr[-2000:]}")
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    return result["first"], result["later"]
+
+
+def first_use_rows(counts: dict[int, int], rank: int) -> list[dict]:
+    """The ``--first-use`` rows: new processes, inductor compiling in the process."""
+    ks = [k for k, count in counts.items() for _ in range(count)]
+    with tempfile.TemporaryDirectory() as cache:
+        env = {"TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+        cold, _ = first_refresh(ks, rank, env)
+        warm, _ = first_refresh(ks, rank, env)
+    eager_first, eager_later = first_refresh(ks, rank, {"TORCHDYNAMO_DISABLE": "1"})
+    return [{"piece": piece, "time": round(seconds * SCALE[unit], 3), "unit": unit}
+            for piece, seconds, unit in [
+                ("first refresh of a new process, empty inductor cache", cold, "s"),
+                ("first refresh of a new process, inductor cache warm", warm, "s"),
+                ("first refresh of a new process, dynamo off", eager_first, "s"),
+                ("refresh with dynamo off (eager loops), per refresh", eager_later, "ms")]]
+
+
 def build_previous(checkout: Path, counts: dict[int, int], rank: int) -> dict:
     """The previous version's C loops on the same data (its ``_native`` module, loaded alone:
     it imports nothing of rgc)."""
@@ -162,6 +228,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--reps", type=int, default=31)
     ap.add_argument("--out", type=Path, default=None, help="results directory")
+    ap.add_argument("--first-use", action="store_true",
+                    help="add the first refresh of new processes (a minute or more of CPU)")
     ap.add_argument("--previous", type=Path, default=None,
                     help="a checkout of the previous version, its C loops measured beside")
     args = ap.parse_args(argv)
@@ -192,13 +260,19 @@ def main(argv=None) -> list[dict]:
         for row_name, units, scale in [(name, count, unit), *second]:
             rows.append({"piece": row_name, "time": round(seconds / units * SCALE[scale], 3),
                          "unit": scale})
+    notes = (f"{args.layers} Qwen3-1.7B decoder layers' projections scaled by 1/{args.scale}, "
+             f"rank {args.rank}; chunks of {CHUNK_ELEMENTS} elements in cache; CPU time of one "
+             f"thread, median of {args.reps} interleaved repetitions. The step of "
+             "optimizer_step_cpu.py pays the per-call cost once per chunk and loop, and reads W "
+             "from memory.")
+    if args.first_use:
+        rows += first_use_rows(counts, args.rank)
+        notes += (" The first-refresh rows: one new process each, the CPU time of its first "
+                  "refresh, its compiler subprocesses included; with dynamo off, the median of "
+                  "its next five refreshes too.")
     kwargs = {} if args.out is None else {"directory": args.out}
-    write_results("cpu_loop_costs", rows, title="Costs of the CPU step's pieces",
-                  notes=f"{args.layers} Qwen3-1.7B decoder layers' projections scaled by "
-                  f"1/{args.scale}, rank {args.rank}; chunks of {CHUNK_ELEMENTS} elements in "
-                  f"cache; CPU time of one thread, median of {args.reps} interleaved "
-                  "repetitions. The step of optimizer_step_cpu.py pays the per-call cost "
-                  "once per chunk and loop, and reads W from memory.", **kwargs)
+    write_results("cpu_loop_costs", rows, title="Costs of the CPU step's pieces", notes=notes,
+                  **kwargs)
     return rows
 
 

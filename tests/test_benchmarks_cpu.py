@@ -35,6 +35,15 @@ def test_cpu_loop_costs_benchmark_runs(tmp_path):
     assert "## Environment" in (tmp_path / "cpu_loop_costs.md").read_text()
 
 
+def test_first_refresh_process_reports_its_cpu_time():
+    # the --first-use rows' new process, with dynamo off: nothing to compile, a second or two
+    from benchmarks import cpu_loop_costs
+
+    first, later = cpu_loop_costs.first_refresh([16, 24], 4, {"TORCHDYNAMO_DISABLE": "1"})
+    assert first > 0 and later > 0
+    assert later < first  # the first refresh also pays its libraries' first calls
+
+
 def test_step_model_counts():
     # The model's floor is 4 bytes per projection weight, counted here from the config by
     # hand; every phase costs bytes and launches; the update moves at least the floor.
