@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -62,6 +63,17 @@ def environment() -> dict:
         env["gpu"] = torch.cuda.get_device_name()
         env["cuda"] = torch.version.cuda
     return env
+
+
+def python_last_line(code: str, *args: str, env: dict[str, str] | None = None) -> str:
+    """The last line a new ``python -c code *args`` prints (with ``env`` as its environment,
+    default this one's); its stderr's tail in the error where it fails."""
+    run = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True,
+                         text=True, check=False)
+    if run.returncode:
+        raise RuntimeError(f"a benchmark's child process failed (exit {run.returncode}):\n"
+                           f"{run.stderr[-2000:]}")
+    return run.stdout.strip().splitlines()[-1]
 
 
 def markdown_table(rows: list[dict]) -> str:

@@ -36,7 +36,6 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import python_last_line, write_results  # noqa: E402
 from benchmarks.optimizer_step_cpu import layer_shapes  # noqa: E402
 from rgc.ops import reference  # noqa: E402
 from rgc.updates import CHUNK_ELEMENTS  # noqa: E402
@@ -159,11 +158,7 @@ def first_refresh(ks: list[int], rank: int, env: dict[str, str]) -> tuple[float,
     """(CPU seconds of the first refresh, median CPU seconds of the next five) of a new process
     refreshing one k x ``rank`` P for each of ``ks``, ``env`` added to this one's environment."""
     code = FIRST_REFRESH.format(src=str(ROOT / "src"), rank=rank, ks=ks)
-    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
-                         capture_output=True, text=True, check=False)
-    if run.returncode:
-        raise RuntimeError(f"the first-refresh process failed:\n{run.stderr[-2000:]}")
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = json.loads(python_last_line(code, env={**os.environ, **env}))
     return result["first"], result["later"]
 
 

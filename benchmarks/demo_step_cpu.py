@@ -55,10 +55,10 @@ print(json.dumps(times))
 
 
 def run_checkout(src: Path, steps: int, warmup: int) -> list[float]:
+    from benchmarks.common import python_last_line
+
     env = dict(os.environ, PYTHONPATH=str(src))
-    out = subprocess.run([sys.executable, "-c", WORKER, str(steps), str(warmup)], env=env,
-                         capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(python_last_line(WORKER, str(steps), str(warmup), env=env))
 
 
 def main() -> None:

@@ -26,13 +26,12 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS, write_results  # noqa: E402
+from benchmarks.common import RESULTS, python_last_line, write_results  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIGS = [CONFIGS / "qwen3-1.7b.json", CONFIGS / "qwen3-8b.json"]
@@ -119,9 +118,7 @@ def counted_launches(config: dict, r: int) -> int:
     env = {**os.environ, "TRITON_INTERPRET": "1", "RGC_IMPL": "triton",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT),
                                           os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", _COUNT_SCRIPT, json.dumps(shapes), str(rank)],
-                         env=env, capture_output=True, text=True, check=True)
-    return int(out.stdout.strip().splitlines()[-1])
+    return int(python_last_line(_COUNT_SCRIPT, json.dumps(shapes), str(rank), env=env))
 
 
 _COUNT_SCRIPT = """
