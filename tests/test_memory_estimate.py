@@ -1,4 +1,7 @@
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -353,6 +356,27 @@ def test_bf16_matmul_scratch_is_measured_outside_a_profiler():
                                                                   match="before starting"):
         rgc.compute.bf16_matmul_scratch()
     assert rgc.compute.bf16_matmul_scratch() in (True, False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["AVX512_CORE", "AVX2"])
+def test_bf16_matmul_scratch_finds_the_fp32_copy_of_an_avx512_cpu_without_bf16(isa):
+    """oneDNN limited to AVX-512 without BF16 instructions accumulates into an FP32 copy of the
+    output (4 bytes per element); limited to AVX2 it holds none. Native BF16 kernels (AVX512_BF16,
+    AMX) take a scratchpad of tens of KB, which must not read as a copy."""
+    if isa == "AVX512_CORE" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("needs an AVX-512 CPU")
+    code = ("import torch; from torch.profiler import ProfilerActivity, profile; import rgc\n"
+            "a = torch.ones(300, 20, dtype=torch.bfloat16); torch.mm(a, a.T)\n"
+            "with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as p:\n"
+            "    torch.mm(a, a.T)\n"
+            "copy = any(e.nbytes() >= 300 * 300 * 4 for e in p.profiler.kineto_results.events()"
+            " if e.name() == '[memory]')\n"
+            "print(copy, rgc.compute.bf16_matmul_scratch())")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["True", "True"] if isa == "AVX512_CORE" else out == ["False", "False"], out
 
 
 # -- mixture-of-experts configs -------------------------------------------------------------

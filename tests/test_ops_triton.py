@@ -691,24 +691,22 @@ def test_refresh_buffers_stay_within_the_chunk(monkeypatch):
     # No [M, k, r] float64 (nor G of all M) at once: buffers of at most the chunk's bytes.
     # (The interpreter leaves a launch's arguments in reference cycles; collected here after
     # each launch as a compiled launch would drop them.)
-    # Every object older than the test is frozen first: the collections then visit only the
-    # launches' objects (a full one over the whole process took ~0.1 s per launch).
+    # Every object older than the test is frozen first (as conftest.py froze the collected
+    # suite): the collections then visit only the launches' objects (a full one over the whole
+    # process took ~0.1 s per launch).
     launch = T._launch
     monkeypatch.setattr(T, "_launch", lambda launches: (launch(launches), gc.collect()))
     gc.collect()
     gc.freeze()
-    try:
-        for k, r in [(64, 8), (24, 8)]:  # one CholeskyQR pass, CholeskyQR3
-            chunk = 2 * triton_buffers.projection_bytes(k, r)
-            monkeypatch.setattr(triton_buffers, "PROJECTION_CHUNK_BYTES", chunk)
-            outs = [torch.empty(k, r) for _ in range(7)]
-            T.make_projections_(outs, "orthonormal", list(range(7)))  # compile
-            with rgc.memory.track() as rec:
-                T.make_projections_(outs, "orthonormal", list(range(7)))
-            assert rec.peak <= chunk + 4096, (rec.peak, rec.largest)
-            assert max(a.nbytes for a in rec.allocations) <= chunk
-    finally:
-        gc.unfreeze()
+    for k, r in [(64, 8), (24, 8)]:  # one CholeskyQR pass, CholeskyQR3
+        chunk = 2 * triton_buffers.projection_bytes(k, r)
+        monkeypatch.setattr(triton_buffers, "PROJECTION_CHUNK_BYTES", chunk)
+        outs = [torch.empty(k, r) for _ in range(7)]
+        T.make_projections_(outs, "orthonormal", list(range(7)))  # compile
+        with rgc.memory.track() as rec:
+            T.make_projections_(outs, "orthonormal", list(range(7)))
+        assert rec.peak <= chunk + 4096, (rec.peak, rec.largest)
+        assert max(a.nbytes for a in rec.allocations) <= chunk
 
 
 # ---------------------------------------------------- registry dispatch and fake kernels

@@ -136,9 +136,13 @@ def bf16_matmul_scratch() -> bool:
     oneDNN does on x86 CPUs with AVX-512 but without BF16 instructions (AVX512_BF16, AMX):
     it accumulates into an FP32 buffer of the output's size, then rounds it into the BF16
     result. With BF16 instructions, or limited to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``), it
-    does not. ``rgc.estimate_memory(..., bf16_matmul_scratch=True)`` models it (see
-    docs/memory.md). Measured once per process: the allocator events of one 64 x 64 product under
-    torch's profiler, which must not be running already (the first call raises then).
+    does not (with BF16 instructions its blocked kernels take a scratchpad of tens of KB per
+    thread whatever the output's size, which the estimate leaves out).
+    ``rgc.estimate_memory(..., bf16_matmul_scratch=True)`` models the FP32 copy (see
+    docs/memory.md). Measured once per process: the allocator events of one 512 x 32 by
+    32 x 512 product on one thread under torch's profiler, which must not be running already
+    (the first call raises then); an FP32 copy is an allocation of at least 1 MiB, the
+    scratchpad about 70 KB.
     """
     from torch.autograd.profiler import _is_profiler_enabled
     from torch.profiler import ProfilerActivity, profile
@@ -146,13 +150,18 @@ def bf16_matmul_scratch() -> bool:
     if _is_profiler_enabled:
         raise RuntimeError("rgc.compute.bf16_matmul_scratch() measures under torch's profiler: "
                            "call it once before starting one (the answer is cached)")
-    a = torch.ones(64, 64, dtype=torch.bfloat16)
-    torch.mm(a, a)  # oneDNN's first call sets up its kernel outside the measurement
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        torch.mm(a, a)
-    allocated = sum(e.nbytes() for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and e.nbytes() > 0)
-    return allocated > a.numel() * a.element_size()
+    a = torch.ones(512, 32, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a scratchpad per thread: on many threads as large as the copy
+    try:
+        torch.mm(a, a.T)  # oneDNN's first call sets up its kernel outside the measurement
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            torch.mm(a, a.T)
+    finally:
+        torch.set_num_threads(threads)
+    fp32_copy = 512 * 512 * 4
+    return any(e.nbytes() >= fp32_copy for e in prof.profiler.kineto_results.events()
+               if e.name() == "[memory]")
 
 
 def choose_compute_mode(device="cpu", weight_dtype: torch.dtype = torch.bfloat16,
