@@ -40,6 +40,7 @@ correct but slow on such CPUs; under ``torch.autocast`` the autocast dtype wins.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -119,14 +120,21 @@ def measure_matmul_times(dtype: torch.dtype = torch.bfloat16, repeats: int = 5
             times.append(time.perf_counter() - t0)
         return min(times)
 
+    with _one_thread():
+        low = best(lambda: F.linear(x, w))
+        upcast = best(lambda: F.linear(x.float(), w.float()).to(dtype))
+    return low, upcast
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Torch's intra-op threads set to one inside the block, restored after it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        low = best(lambda: F.linear(x, w))
-        upcast = best(lambda: F.linear(x.float(), w.float()).to(dtype))
+        yield
     finally:
         torch.set_num_threads(threads)
-    return low, upcast
 
 
 @functools.cache
@@ -151,15 +159,11 @@ def bf16_matmul_scratch() -> bool:
         raise RuntimeError("rgc.compute.bf16_matmul_scratch() measures under torch's profiler: "
                            "call it once before starting one (the answer is cached)")
     a = torch.ones(512, 32, dtype=torch.bfloat16)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a scratchpad per thread: on many threads as large as the copy
-    try:
+    with _one_thread():  # a scratchpad per thread: on many threads as large as the copy
         torch.mm(a, a.T)  # oneDNN's first call sets up its kernel outside the measurement
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             torch.mm(a, a.T)
-    finally:
-        torch.set_num_threads(threads)
-    fp32_copy = 512 * 512 * 4
+    fp32_copy = len(a) * len(a) * 4  # the 512 x 512 output in FP32
     return any(e.nbytes() >= fp32_copy for e in prof.profiler.kineto_results.events()
                if e.name() == "[memory]")
 
